@@ -1,0 +1,185 @@
+"""The paged-KV attention kernels as iree-turbine CustomOps.
+
+Each formulation is a `CustomOp` whose `select` declares the arguments and
+which of their dims are static, and whose `generate` renders the matching
+Jinja template from the repo's `mlir/` directory into the kernel module.
+`render_variant` drives the same machinery for ahead-of-time builds: it makes
+a `KernelSelection` from meta tensors shaped like the variant and returns
+the MLIR module text that `turbine_fmha.build` hands to iree-compile.
+
+Imports torch and iree-turbine: build-time only. The runtime does not need
+this module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from iree.compiler.ir import Location
+from iree.turbine.runtime.op_reg import (
+    CustomOp,
+    KernelBuilder,
+    KernelSelection,
+)
+from iree.turbine.runtime.op_reg.base import (
+    ALL_CUSTOM_OP_REGS,
+    EagerKernelSelection,
+    FreeFuncKernelBuilder,
+)
+from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
+
+from .variants import Variant
+
+
+def mlir_dir() -> Path:
+    env = os.environ.get("TURBINE_FMHA_MLIR_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "mlir"
+
+
+class RepoJinjaLoader(TemplateLoader):
+    """Loads `<name>.mlir.jinja` from the repo's top-level mlir/ directory."""
+
+    def __init__(self, directory: Path | None = None):
+        from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+        self.directory = directory or mlir_dir()
+        self.env = Environment(
+            loader=FileSystemLoader(str(self.directory)),
+            undefined=StrictUndefined,
+            keep_trailing_newline=True,
+        )
+
+    def render(self, name: str, **kwargs) -> str:
+        return self.env.get_template(f"{name}.mlir.jinja").render(**kwargs)
+
+    def load_template(self, kb: KernelBuilder, name: str, **kwargs):
+        return self._parse_module_asm(kb, self.render(name, **kwargs))
+
+
+_TEMPLATES = RepoJinjaLoader()
+
+_TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
+
+# The argument list shared by both formulations (see the templates).
+_SIGNATURE_ARGS = (
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+    "Tensor seqlen_k, Tensor scale, Tensor params, str mask"
+)
+
+
+class _PagedKVFwd(CustomOp):
+    template: str = ""
+    # Extra static dims beyond heads/head dims/page size (online: batch, rows).
+    static_rows: bool = False
+
+    def select(self, ksel: KernelSelection):
+        q, kc, vc, bt, sk, scale, params = (ksel.arg_tensor(i) for i in range(7))
+        ksel.attr_str(7)
+        torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
+        torch._check(kc.t.dtype == q.t.dtype and vc.t.dtype == q.t.dtype, lambda: "dtype mismatch")
+        torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
+        torch._check(q.t.shape[2] % kc.t.shape[2] == 0, lambda: "nhead_q % nhead_k != 0")
+        q.specialize_dims(2, 3)
+        kc.specialize_dims(1, 2, 3)
+        vc.specialize_dims(1, 2, 3)
+        scale.specialize_all_dims()
+        params.specialize_all_dims()
+        b, sq, hq, _ = q.t.shape
+        out = ksel.return_new_tensor([b, sq, hq, vc.t.shape[3]], q.t.dtype)
+        lse = ksel.return_new_tensor([b, hq, sq], torch.float32)
+        if self.static_rows:
+            q.specialize_dims(0, 1)
+            bt.specialize_dims(0)
+            sk.specialize_all_dims()
+            out.specialize_all_dims()
+            lse.specialize_all_dims()
+        else:
+            out.specialize_dims(2, 3)
+            lse.specialize_dims(1)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        q, kc, vc = (ksel.arg_descs[i].t for i in range(3))
+        p = dict(
+            dt=_DTYPE_NAME[q.dtype],
+            HQ=q.shape[2],
+            HK=kc.shape[2],
+            D=q.shape[3],
+            DV=vc.shape[3],
+            PAGE=kc.shape[1],
+            mask=ksel.arg_descs[7].v,
+            BT=q.shape[0],
+            MQ=q.shape[1],
+        )
+        func_name = (
+            f"{self.template}_{p['dt']}_d{p['D']}x{p['DV']}_h{p['HQ']}x{p['HK']}"
+            f"_pg{p['PAGE']}_{p['mask']}"
+        )
+        if self.static_rows:
+            func_name += f"_b{p['BT']}_q{p['MQ']}"
+        func = _TEMPLATES.inline_template_function(
+            kb, self.template, func_name, func_name=func_name, **p
+        )
+        args = [kb.arg_value(i) for i in range(7)]
+        kb.yield_results(*call_function(func, *args))
+
+
+class PagedKVFwdExplicit(_PagedKVFwd):
+    """QK^T contraction, masked softmax pieces and PV contraction (CPU)."""
+
+    template = "pagedkv_fwd_explicit"
+    signature = f"turbine_fmha_pagedkv_fwd_explicit({_SIGNATURE_ARGS}) -> (Tensor, Tensor)"
+
+
+class PagedKVFwdOnline(_PagedKVFwd):
+    """Fused gather + iree_linalg_ext.online_attention (GPU; runs on CPU too)."""
+
+    template = "pagedkv_fwd_online"
+    signature = f"turbine_fmha_pagedkv_fwd_online({_SIGNATURE_ARGS}) -> (Tensor, Tensor)"
+    static_rows = True
+
+
+_OPS: dict[str, _PagedKVFwd] = {}
+
+
+def _op(formulation: str) -> _PagedKVFwd:
+    if not _OPS:
+        for cls, key in ((PagedKVFwdExplicit, "explicit"), (PagedKVFwdOnline, "online")):
+            CustomOp.register(cls)
+            fq = f"turbine.{cls.signature.split('(')[0]}"
+            _OPS[key] = ALL_CUSTOM_OP_REGS[fq]
+    return _OPS[formulation]
+
+
+def example_args(v: Variant) -> list:
+    """Meta tensors shaped like a call of `v` (dynamic dims get size 1)."""
+    dt = _TORCH_DTYPE[v.dtype]
+    b = v.batch_tile or 1
+    sq = v.seqlen_q_tile or 1
+    meta = dict(device="meta")
+    return [
+        torch.empty(b, sq, v.nhead_q, v.hdim_q, dtype=dt, **meta),
+        torch.empty(1, v.page_block_size, v.nhead_k, v.hdim_q, dtype=dt, **meta),
+        torch.empty(1, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt, **meta),
+        torch.empty(b, 1, dtype=torch.int32, **meta),
+        torch.empty(b, dtype=torch.int32, **meta),
+        torch.empty((), dtype=torch.float32, **meta),
+        torch.empty(4, dtype=torch.int32, **meta),
+        v.mask,
+    ]
+
+
+def render_variant(v: Variant) -> str:
+    """MLIR module text for `v`, with public entry point `v.name`."""
+    op = _op(v.formulation)
+    ksel = EagerKernelSelection(op, example_args(v))
+    op.select(ksel)
+    kb = FreeFuncKernelBuilder.create_module(ksel, func_name=v.name)
+    with kb.ip, Location.unknown():
+        op.generate(ksel, kb)
+    kb.module_op.verify()
+    return kb.module_op.get_asm()

@@ -1,0 +1,267 @@
+"""Runtime session: loads AOT artifacts and runs them. numpy + iree.runtime only.
+
+A `Session` owns one IREE device (driver) and the modules loaded on it.
+Services create one and reuse it; `fmha_fwd_paged(..., session=None)` uses a
+process-wide session per device.
+
+Loading checks, before any module is mapped: the manifest exists, the
+artifact path stays inside the artifact directory, the file's sha256 matches
+the manifest, and the compiler version that built it equals the runtime's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
+from .variants import Variant
+
+ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
+ENV_CACHE = "TURBINE_FMHA_CACHE"
+
+
+def default_artifact_dir() -> Path:
+    env = os.environ.get(ENV_ARTIFACTS)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(ENV_CACHE)
+    if env:
+        return Path(env)
+    return Path(os.path.expanduser("~/.cache/turbine-fmha"))
+
+
+def runtime_version() -> str:
+    from iree.runtime.version import VERSION
+
+    return VERSION
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is missing, corrupted, or from another IREE release."""
+
+
+class _Loaded:
+    __slots__ = ("variant", "function", "context", "lock")
+
+    def __init__(self, variant: Variant, function, context):
+        self.variant = variant
+        self.function = function
+        self.context = context
+        self.lock = threading.Lock()
+
+
+class Session:
+    """Loaded kernels for one device.
+
+    Args:
+      device: "cpu" (llvm-cpu artifacts on the local-task driver), "cuda" or
+        "hip".
+      artifact_dir: directory with manifest.json (default: $TURBINE_FMHA_ARTIFACTS
+        or <repo>/artifacts).
+      target: artifact target to load (default per device: host, cuda, gfx942).
+      compile_missing: when a variant has no artifact, compile it into
+        `cache_dir` (needs iree-base-compiler and iree-turbine) instead of
+        raising. Off by default: services should ship prebuilt artifacts.
+    """
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        *,
+        artifact_dir: str | os.PathLike | None = None,
+        target: str | None = None,
+        compile_missing: bool = False,
+        cache_dir: str | os.PathLike | None = None,
+        formulation: str | None = None,
+    ):
+        if device not in DEVICE_DEFAULT_TARGET:
+            raise ValueError(
+                f"device must be one of {sorted(DEVICE_DEFAULT_TARGET)}, got {device!r}"
+            )
+        self.device = device
+        self.target: Target = get_target(target or DEVICE_DEFAULT_TARGET[device])
+        if formulation not in (None, "explicit", "online"):
+            raise ValueError(f"formulation must be 'explicit' or 'online', got {formulation!r}")
+        # The formulation to run: the target's own by default. Tests force
+        # "online" on the CPU to execute the GPU kernels' formulation.
+        self.formulation = formulation or self.target.formulation
+        self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
+        self.compile_missing = compile_missing
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self._lock = threading.RLock()
+        self._loaded: dict[str, _Loaded] = {}
+        self._config = None
+        self._index: dict[str, dict] = {}
+        self._manifest_dirs: list[Path] = []
+        self._read_manifest(self.artifact_dir)
+        if compile_missing:
+            self._read_manifest(self.cache_dir)
+
+    # -- manifest and loading ---------------------------------------------
+
+    def _read_manifest(self, directory: Path) -> None:
+        path = directory / "manifest.json"
+        if not path.exists():
+            return
+        try:
+            manifest = json.loads(path.read_text())
+            artifacts = manifest["artifacts"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"unreadable manifest {path}: {e}") from None
+        for a in artifacts:
+            if a.get("target") == self.target.name:
+                self._index.setdefault(a["variant"], dict(a, _dir=str(directory)))
+        self._manifest_dirs.append(directory)
+
+    def available_variants(self) -> list[Variant]:
+        return [Variant.parse(n) for n in sorted(self._index)]
+
+    def _iree_config(self):
+        if self._config is None:
+            import iree.runtime as rt
+
+            self._config = rt.Config(self.target.driver)
+        return self._config
+
+    def _load(self, variant: Variant) -> _Loaded:
+        name = variant.name
+        with self._lock:
+            hit = self._loaded.get(name)
+            if hit is not None:
+                return hit
+            entry = self._index.get(name)
+            from_cache = entry is not None and Path(entry["_dir"]) == self.cache_dir
+            if entry is None or (self.compile_missing and from_cache):
+                # On-demand builds go through build(), which recompiles only
+                # when the rendered kernel, flags or compiler changed.
+                if not self.compile_missing:
+                    raise ArtifactError(
+                        f"no {self.target.name} artifact for variant {name} in "
+                        f"{self.artifact_dir}. Build it with:\n"
+                        f"  turbine-fmha build --targets {self.target.name} "
+                        f"--out {self.artifact_dir} --variants {name}\n"
+                        f"or create the Session with compile_missing=True."
+                    )
+                entry = self._compile_into_cache(variant)
+            loaded = self._load_entry(variant, entry)
+            self._loaded[name] = loaded
+            return loaded
+
+    def _compile_into_cache(self, variant: Variant) -> dict:
+        from .build import build
+
+        build(self.cache_dir, [self.target.name], [variant])
+        self._index.pop(variant.name, None)
+        self._read_manifest(self.cache_dir)
+        return self._index[variant.name]
+
+    def _load_entry(self, variant: Variant, entry: dict) -> _Loaded:
+        import iree.runtime as rt
+
+        from .build import sha256_file
+
+        base = Path(entry["_dir"]).resolve()
+        path = (base / entry["path"]).resolve()
+        if base not in path.parents:
+            raise ArtifactError(f"manifest path {entry['path']!r} escapes {base}")
+        if not path.is_file():
+            raise ArtifactError(f"artifact file missing: {path}")
+        rv = runtime_version()
+        if entry.get("compiler_version") != rv:
+            raise ArtifactError(
+                f"{path.name} was built by IREE compiler {entry.get('compiler_version')} "
+                f"but the runtime is {rv}; rebuild the artifacts"
+            )
+        data = path.read_bytes()
+        import hashlib
+
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            raise ArtifactError(f"sha256 of {path} does not match its manifest entry")
+        config = self._iree_config()
+        try:
+            vm_module = rt.VmModule.copy_buffer(config.vm_instance, data)
+        except Exception as e:  # the runtime's own message says what is wrong
+            raise ArtifactError(f"cannot load {path}: {e}") from None
+        ctx = rt.SystemContext(config=config)
+        ctx.add_vm_module(vm_module)
+        fn = ctx.modules[vm_module.name][variant.name]
+        return _Loaded(variant, fn, ctx)
+
+    # -- execution ----------------------------------------------------------
+
+    def run_variant(self, variant: Variant, q, k_cache, v_cache, block_table, seqlen_k, scale, params):
+        """One kernel call on already-validated, contiguous numpy inputs."""
+        loaded = self._load(variant)
+        args = [
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seqlen_k,
+            np.asarray(scale, dtype=np.float32).reshape(()),
+            np.asarray(params, dtype=np.int32),
+        ]
+        res = loaded.function(*args)
+        out, lse = (r.to_host() for r in res)
+        return out, lse
+
+    def select(self, problem: tuple, seqlen_q: int, batch: int) -> Variant:
+        """Picks the variant for a call: exact problem match; for static
+        (online) variants, the one that pads least."""
+        cands = [
+            v
+            for v in (Variant.parse(n) for n in self._index)
+            if v.problem_key == problem and v.formulation == self.formulation
+        ]
+        if not cands and self.compile_missing:
+            return self._default_variant_for(problem, seqlen_q)
+        if not cands:
+            dt, hq_d, hv_d, nq, nk, page, mask = problem
+            raise ArtifactError(
+                f"no {self.target.name} artifact in {self.artifact_dir} for dtype={dt}, "
+                f"hdim_q={hq_d}, hdim_v={hv_d}, nhead_q={nq}, nhead_k={nk}, "
+                f"page_block_size={page}, mask_type={mask}. Build it with:\n"
+                f"  turbine-fmha build --targets {self.target.name} --out {self.artifact_dir} "
+                f"--variants {self._default_variant_for(problem, seqlen_q).name}\n"
+                f"or create the Session with compile_missing=True."
+            )
+
+        def cost(v: Variant):
+            if v.formulation == "explicit":
+                return (0, 0)
+            rows = -(-batch // v.batch_tile) * v.batch_tile
+            qrows = -(-seqlen_q // v.seqlen_q_tile) * v.seqlen_q_tile
+            return (rows * qrows, -v.seqlen_q_tile)
+
+        return min(cands, key=cost)
+
+    def _default_variant_for(self, problem: tuple, seqlen_q: int) -> Variant:
+        dt, dq, dv, nq, nk, page, mask = problem
+        if self.formulation == "explicit":
+            return Variant(dt, dq, dv, nq, nk, page, mask)
+        from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE
+
+        bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
+        return Variant(dt, dq, dv, nq, nk, page, mask, True, "online", bt, mq)
+
+
+_DEFAULT_SESSIONS: dict[str, Session] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_session(device: str) -> Session:
+    with _DEFAULT_LOCK:
+        s = _DEFAULT_SESSIONS.get(device)
+        if s is None:
+            s = Session(device)
+            _DEFAULT_SESSIONS[device] = s
+        return s

@@ -1,0 +1,171 @@
+"""Kernel variants: a variant is data, and its name encodes it.
+
+A `Variant` fixes everything the MLIR template specializes on. Its canonical
+name (in the spirit of ck_tile's `GetName()`) is the artifact file name and
+the exported function name, and `Variant.parse(name)` reads it back.
+
+Which sizes are static is a codegen decision:
+  * ``explicit`` (the CPU formulation): batch, query rows and pages dynamic.
+  * ``online`` (the GPU formulation, iree_linalg_ext.online_attention):
+    batch tile ``bt`` and query rows ``mq`` static, page count dynamic. On
+    gfx942 a dynamic query length compiles to per-lane FMA with no MFMA,
+    while static rows and query length get MFMA; the runtime pads/chunks.
+Heads, head dims and page size are static in every variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable
+
+DTYPES = ("f16", "bf16", "f32")
+MASKS = ("none", "top_left", "bottom_right")
+FORMULATIONS = ("explicit", "online")
+
+_MASK_TAG = {"none": "nmask", "top_left": "mtl", "bottom_right": "mbr"}
+_TAG_MASK = {v: k for k, v in _MASK_TAG.items()}
+
+_NAME_RE = re.compile(
+    r"^pagedkv_fwd_(?P<dtype>f16|bf16|f32)"
+    r"_d(?P<hdim_q>\d+)x(?P<hdim_v>\d+)"
+    r"_h(?P<nhead_q>\d+)x(?P<nhead_k>\d+)"
+    r"_pg(?P<page>\d+)"
+    r"_(?P<mask>nmask|mtl|mbr)"
+    r"_(?P<lse>lse|nlse)"
+    r"_(?P<form>explicit|online)"
+    r"(?:_b(?P<bt>\d+)_q(?P<mq>\d+))?$"
+)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Variant:
+    dtype: str
+    hdim_q: int
+    hdim_v: int
+    nhead_q: int
+    nhead_k: int
+    page_block_size: int
+    mask: str = "none"
+    lse: bool = True
+    formulation: str = "explicit"
+    # Static batch tile and query rows (online formulation only; 0 = dynamic).
+    batch_tile: int = 0
+    seqlen_q_tile: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.formulation not in FORMULATIONS:
+            raise ValueError(f"formulation must be one of {FORMULATIONS}")
+        for f in ("hdim_q", "hdim_v", "nhead_q", "nhead_k", "page_block_size"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.nhead_q % self.nhead_k:
+            raise ValueError(
+                f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})"
+            )
+        static = self.batch_tile > 0 and self.seqlen_q_tile > 0
+        if self.formulation == "online" and not static:
+            raise ValueError("online variants need batch_tile and seqlen_q_tile > 0")
+        if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
+            raise ValueError("explicit variants have dynamic batch and query rows")
+
+    @property
+    def group_size(self) -> int:
+        return self.nhead_q // self.nhead_k
+
+    @property
+    def name(self) -> str:
+        s = (
+            f"pagedkv_fwd_{self.dtype}_d{self.hdim_q}x{self.hdim_v}"
+            f"_h{self.nhead_q}x{self.nhead_k}_pg{self.page_block_size}"
+            f"_{_MASK_TAG[self.mask]}_{'lse' if self.lse else 'nlse'}"
+            f"_{self.formulation}"
+        )
+        if self.formulation == "online":
+            s += f"_b{self.batch_tile}_q{self.seqlen_q_tile}"
+        return s
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        m = _NAME_RE.match(name)
+        if not m:
+            raise ValueError(f"not a variant name: {name!r}")
+        g = m.groupdict()
+        return cls(
+            dtype=g["dtype"],
+            hdim_q=int(g["hdim_q"]),
+            hdim_v=int(g["hdim_v"]),
+            nhead_q=int(g["nhead_q"]),
+            nhead_k=int(g["nhead_k"]),
+            page_block_size=int(g["page"]),
+            mask=_TAG_MASK[g["mask"]],
+            lse=g["lse"] == "lse",
+            formulation=g["form"],
+            batch_tile=int(g["bt"] or 0),
+            seqlen_q_tile=int(g["mq"] or 0),
+        )
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def problem_key(self) -> tuple:
+        """What a call must match exactly (everything but lse and tiling)."""
+        return (
+            self.dtype,
+            self.hdim_q,
+            self.hdim_v,
+            self.nhead_q,
+            self.nhead_k,
+            self.page_block_size,
+            self.mask,
+        )
+
+
+# Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
+# and MHA 8/8 for small services.
+DEFAULT_HEADS = ((32, 8), (8, 8))
+DEFAULT_PAGES = (1, 16, 32, 64, 128)
+DEFAULT_HDIMS = (64, 128)
+
+# GPU buckets: decode (one query row, batch tile 8) and prefill (query
+# chunks of 128 rows, one sequence at a time).
+GPU_DECODE_TILE = (8, 1)
+GPU_PREFILL_TILE = (1, 128)
+
+
+def host_default_set() -> list[Variant]:
+    """The CPU set: explicit formulation, dynamic batch and query rows."""
+    out = []
+    for dtype in DTYPES:
+        for hd in DEFAULT_HDIMS:
+            for nq, nk in DEFAULT_HEADS:
+                for page in DEFAULT_PAGES:
+                    for mask in MASKS:
+                        out.append(Variant(dtype, hd, hd, nq, nk, page, mask))
+    return out
+
+
+def gpu_default_set() -> list[Variant]:
+    """The GPU set: online formulation, decode and prefill buckets.
+
+    Kept to the shapes services run (fp16/bf16, hdim 128, GQA 32/8, page 16
+    and 64); everything else is built on request with --variants.
+    """
+    out = []
+    for dtype in ("f16", "bf16"):
+        for page in (16, 64):
+            bt, mq = GPU_DECODE_TILE
+            out.append(Variant(dtype, 128, 128, 32, 8, page, "none", True, "online", bt, mq))
+            bt, mq = GPU_PREFILL_TILE
+            for mask in ("none", "bottom_right"):
+                out.append(Variant(dtype, 128, 128, 32, 8, page, mask, True, "online", bt, mq))
+    return out
+
+
+def parse_list(names: Iterable[str]) -> list[Variant]:
+    return [Variant.parse(n.strip()) for n in names if n.strip()]
