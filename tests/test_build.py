@@ -1,0 +1,157 @@
+"""AOT build, manifest, content-hash caching, artifact integrity, and
+compile-only checks of every ROCm and CUDA variant in the default set."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import turbine_fmha
+from conftest import CACHE, make_problem, run_and_check
+from turbine_fmha import build as tfb
+from turbine_fmha.variants import Variant, gpu_default_set, host_default_set
+
+SMALL = [
+    Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
+    Variant("f32", 64, 64, 4, 2, 16, "none"),
+]
+
+
+def test_variant_names_roundtrip():
+    for v in host_default_set() + gpu_default_set():
+        assert Variant.parse(v.name) == v
+    assert len({v.name for v in host_default_set()}) == len(host_default_set())
+
+
+@pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])
+def test_variant_parse_rejects(bad):
+    with pytest.raises(ValueError):
+        Variant.parse(bad)
+
+
+def test_variant_rejects_bad_fields():
+    with pytest.raises(ValueError, match="nhead_q"):
+        Variant("f16", 64, 64, 6, 4, 16)
+    with pytest.raises(ValueError, match="online"):
+        Variant("f16", 64, 64, 4, 4, 16, formulation="online")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts")
+    results = tfb.build(out, ["host"], SMALL)
+    assert all(r.rebuilt for r in results)
+    return out
+
+
+def test_manifest_and_files(built):
+    m = json.loads((built / "manifest.json").read_text())
+    assert m["compiler_version"] == tfb.compiler_version()
+    assert {a["variant"] for a in m["artifacts"]} == {v.name for v in SMALL}
+    for a in m["artifacts"]:
+        vmfb = built / a["path"]
+        assert vmfb.is_file() and a["size"] == vmfb.stat().st_size
+        assert a["sha256"] == tfb.sha256_file(vmfb)
+        assert f"func.func @{a['variant']}(" in (built / a["mlir"]).read_text()
+        assert a["flags"] and a["compile_seconds"] > 0
+    assert not list(built.rglob("*.partial"))
+
+
+def test_unchanged_variants_not_rebuilt(built):
+    results = tfb.build(built, ["host"], SMALL)
+    assert not any(r.rebuilt for r in results)
+
+
+def test_built_artifacts_run(built, rng):
+    s = turbine_fmha.Session("cpu", artifact_dir=built)
+    assert set(s.available_variants()) == set(SMALL)
+    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=9, seqlens_k=[50, 3], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    run_and_check(s, prob, dtype="f16", mask_type="bottom_right", window_size_right=0)
+
+
+def _copy(built, tmp_path):
+    d = tmp_path / "a"
+    shutil.copytree(built, d)
+    return d
+
+
+def _edit_manifest(d, fn):
+    p = d / "manifest.json"
+    m = json.loads(p.read_text())
+    fn(m["artifacts"][0])
+    p.write_text(json.dumps(m))
+    return m["artifacts"][0]
+
+
+def _load_first(d, entry_name=None):
+    s = turbine_fmha.Session("cpu", artifact_dir=d)
+    name = entry_name or json.loads((d / "manifest.json").read_text())["artifacts"][0]["variant"]
+    return s._load(Variant.parse(name))
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate"])
+def test_corrupted_vmfb_refused(built, tmp_path, damage):
+    d = _copy(built, tmp_path)
+    entry = json.loads((d / "manifest.json").read_text())["artifacts"][0]
+    path = d / entry["path"]
+    data = bytearray(path.read_bytes())
+    if damage == "flip_byte":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) // 3]
+    path.write_bytes(bytes(data))
+    with pytest.raises(turbine_fmha.ArtifactError, match="sha256"):
+        _load_first(d)
+
+
+def test_other_compiler_version_refused(built, tmp_path):
+    d = _copy(built, tmp_path)
+    _edit_manifest(d, lambda a: a.update(compiler_version="3.9.0"))
+    with pytest.raises(turbine_fmha.ArtifactError, match="3.9.0"):
+        _load_first(d)
+
+
+def test_manifest_path_escape_refused(built, tmp_path):
+    d = _copy(built, tmp_path)
+    _edit_manifest(d, lambda a: a.update(path="../../etc/passwd"))
+    with pytest.raises(turbine_fmha.ArtifactError, match="escapes"):
+        _load_first(d)
+
+
+def test_unreadable_manifest(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(turbine_fmha.ArtifactError, match="manifest"):
+        turbine_fmha.Session("cpu", artifact_dir=tmp_path)
+
+
+def test_compile_error_fails_build(tmp_path, monkeypatch):
+    # A template that does not verify must fail the build and leave no vmfb.
+    monkeypatch.setattr(tfb, "_compile_one", lambda *a: (_ for _ in ()).throw(RuntimeError("error: boom")))
+    with pytest.raises(RuntimeError, match="1 of 1 compiles failed"):
+        tfb.build(tmp_path, ["host"], SMALL[:1])
+    assert not list(tmp_path.rglob("*.vmfb"))
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("target", ["gfx942", "gfx90a", "gfx950", "cuda"])
+def test_gpu_default_set_compiles(target):
+    """No GPU here: compile-only. Every default GPU variant must compile with
+    no `error:` on stderr; fp16/bf16 prefill must use the matrix cores with no
+    spills or scratch (read from the ISA IREE dumps)."""
+    out = CACHE / "gpu-default"
+    tfb.build(out, [target], gpu_default_set())
+    m = json.loads((out / "manifest.json").read_text())
+    entries = {a["variant"]: a for a in m["artifacts"] if a["target"] == target}
+    assert set(entries) == {v.name for v in gpu_default_set()}
+    for v in gpu_default_set():
+        isa = entries[v.name]["isa"]
+        if target == "cuda":
+            if v.seqlen_q_tile > 1:
+                assert isa["mma_count"] > 0, v.name
+            continue
+        assert isa["spills"] == 0 and isa["scratch_bytes"] == 0, (v.name, isa)
+        if v.seqlen_q_tile > 1:
+            assert isa["mfma_count"] > 0, (v.name, isa)

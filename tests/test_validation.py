@@ -1,0 +1,122 @@
+"""Bad inputs raise a clear error naming the argument, before any kernel is
+loaded or run; the session stays usable afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import turbine_fmha
+from conftest import make_problem, run_and_check
+
+
+class _TrapSession(turbine_fmha.Session):
+    """A session whose kernels must never be reached."""
+
+    def run_variant(self, *a, **k):  # pragma: no cover - reaching it fails the test
+        raise AssertionError("kernel ran on invalid input")
+
+    def select(self, *a, **k):
+        raise AssertionError("variant selected for invalid input")
+
+
+@pytest.fixture(scope="module")
+def trap(tmp_path_factory):
+    return _TrapSession("cpu", artifact_dir=tmp_path_factory.mktemp("empty"))
+
+
+def _good(rng):
+    return make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5],
+                        nhead_q=4, nhead_k=2, hdim=64, page=16)
+
+
+def _call(session, q, k, v, bt, sk, **kw):
+    return turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, session=session, **kw)
+
+
+BAD = {
+    # name: (mutation of (q, k, v, bt, sk, kw), exception, words the message must contain)
+    "q_rank": (lambda p: (p[0][0], *p[1:]), ValueError, ["q", "4 dims"]),
+    "q_int_dtype": (lambda p: (p[0].astype(np.int32), *p[1:]), TypeError, ["q", "float16"]),
+    "k_dtype_mismatch": (lambda p: (p[0], p[1].astype(np.float32), *p[2:]), TypeError, ["k_cache", "dtype"]),
+    "v_dtype_mismatch": (lambda p: (p[0], p[1], p[2].astype(np.float32), *p[3:]), TypeError, ["v_cache", "dtype"]),
+    "hdim_mismatch": (lambda p: (p[0][..., :32].copy(), *p[1:]), ValueError, ["head dim"]),
+    "heads_ratio": (lambda p: (np.concatenate([p[0], p[0][:, :, :1]], 2), *p[1:]), ValueError, ["nhead_q", "multiple"]),
+    "v_pages_mismatch": (lambda p: (p[0], p[1], p[2][:-1], *p[3:]), ValueError, ["v_cache"]),
+    "bt_rank": (lambda p: (*p[:3], p[3][0], p[4], p[5]), ValueError, ["block_table", "2 dims"]),
+    "bt_float": (lambda p: (*p[:3], p[3].astype(np.float32), p[4], p[5]), TypeError, ["block_table", "integer"]),
+    "bt_rows": (lambda p: (*p[:3], p[3][:1], p[4], p[5]), ValueError, ["block_table", "rows"]),
+    "bt_negative_used": (lambda p: (*p[:3], _set(p[3], (0, 0), -1), p[4], p[5]), ValueError, ["block_table[0, 0]"]),
+    "bt_out_of_range_used": (lambda p: (*p[:3], _set(p[3], (1, 0), 10**6), p[4], p[5]), ValueError, ["block_table[1, 0]"]),
+    "seqlen_k_negative": (lambda p: (*p[:4], np.array([-1, 5], np.int32), p[5]), ValueError, ["seqlen_k", ">= 0"]),
+    "seqlen_k_capacity": (lambda p: (*p[:4], np.array([20, 10**6], np.int32), p[5]), ValueError, ["seqlen_k[1]", "capacity"]),
+    "seqlen_k_len": (lambda p: (*p[:4], p[4][:1], p[5]), ValueError, ["seqlen_k", "entries"]),
+    "seqlen_k_float": (lambda p: (*p[:4], p[4].astype(np.float32), p[5]), TypeError, ["seqlen_k"]),
+    "mask_type": (lambda p: (*p[:5], dict(mask_type="causal")), ValueError, ["mask_type"]),
+    "window_without_mask": (lambda p: (*p[:5], dict(window_size_left=4)), ValueError, ["window_size_left"]),
+    "window_below_minus_one": (lambda p: (*p[:5], dict(mask_type="top_left", window_size_right=-2)), ValueError, ["window_size_right"]),
+    "window_float": (lambda p: (*p[:5], dict(mask_type="top_left", window_size_left=1.5)), TypeError, ["window_size_left"]),
+    "scale_str": (lambda p: (*p[:5], dict(scale="0.1")), TypeError, ["scale"]),
+    "scale_nan": (lambda p: (*p[:5], dict(scale=float("nan"))), TypeError, ["scale"]),
+    "return_lse_int": (lambda p: (*p[:5], dict(return_lse=1)), TypeError, ["return_lse"]),
+    "device": (lambda p: (*p[:5], dict(device="tpu")), ValueError, ["device"]),
+    "q_list": (lambda p: (p[0].tolist(), *p[1:]), TypeError, ["q", "numpy"]),
+}
+
+
+def _set(a, idx, value):
+    a = a.copy()
+    a[idx] = value
+    return a
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input(trap, rng, case):
+    mutate, exc, words = BAD[case]
+    q, k, v, bt, sk = _good(rng)
+    args = mutate((q, k, v, bt, sk, {}))
+    *arrays, kw = args
+    with pytest.raises(exc) as info:
+        _call(trap, *arrays, **kw)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value!s}"
+
+
+def test_session_device_mismatch(trap, rng):
+    with pytest.raises(ValueError, match="session is for device"):
+        _call(trap, *_good(rng), device="cuda")
+
+
+def test_missing_artifact_names_build_command(tmp_path, rng):
+    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
+    with pytest.raises(turbine_fmha.ArtifactError, match="turbine-fmha build --targets host"):
+        _call(s, *_good(rng))
+
+
+def test_inputs_untouched_and_session_usable_after_errors(explicit_session, rng):
+    prob = _good(rng)
+    before = [a.copy() for a in prob]
+    with pytest.raises(ValueError):
+        _call(explicit_session, *prob[:4], np.array([-3, 5], np.int32))
+    for a, b in zip(prob, before):
+        np.testing.assert_array_equal(a, b)
+    run_and_check(explicit_session, prob, dtype="f16")
+    for a, b in zip(prob, before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_non_contiguous_inputs(explicit_session, rng):
+    q, k, v, bt, sk = make_problem(rng, dtype="f32", batch=2, seqlen_q=6, seqlens_k=[30, 17],
+                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q_strided = np.asfortranarray(q)
+    bt_strided = np.repeat(bt, 2, axis=1)[:, ::2]
+    assert not q_strided.flags.c_contiguous and not bt_strided.flags.c_contiguous
+    run_and_check(explicit_session, (q_strided, k, v, bt_strided, sk), dtype="f32")
+
+
+def test_empty_batch_and_zero_queries(explicit_session, rng):
+    q, k, v, bt, sk = _good(rng)
+    out = _call(explicit_session, q[:0], k, v, bt[:0], sk[:0])
+    assert out.shape == (0, 3, 4, 64)
+    out, lse = _call(explicit_session, q[:, :0], k, v, bt, sk, return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
