@@ -234,24 +234,35 @@ def fmha_fwd_paged(
     return (out, lse) if return_lse else out
 
 
-def _run(session, variant: Variant, q, kc, vc, bt, sk, scale, mask, out, lse):
+def plan_calls(variant: Variant, q, bt, sk, scale, mask):
+    """Splits one validated call into kernel calls.
+
+    Yields (args, place) where args are the 7 kernel arguments (numpy,
+    contiguous) and place(out, lse, o, l) copies a call's results into the
+    full outputs. Explicit variants chunk query rows to bound the score tile;
+    static (online) variants pad the batch (seqlen_k 0, page 0) and query
+    rows (zeros; their outputs are dropped) up to the variant's tiles.
+    """
     seqlen_q, left, right = mask
     batch = q.shape[0]
-    nk = bt.shape[1] * kc.shape[1]
+    scale_arr = np.asarray(scale, dtype=np.float32).reshape(())
+
+    def params(s):
+        return np.array([s, seqlen_q, left, right], np.int32)
+
     if variant.formulation == "explicit":
+        nk = bt.shape[1] * variant.page_block_size
         per_row = batch * q.shape[2] * nk * (4 + q.itemsize)
         chunk = max(1, _SCORE_BYTES_BUDGET // max(1, per_row))
         for s in range(0, seqlen_q, chunk):
             e = min(seqlen_q, s + chunk)
-            o, l = session.run_variant(
-                variant, np.ascontiguousarray(q[:, s:e]), kc, vc, bt, sk, scale,
-                (s, seqlen_q, left, right),
-            )
-            out[:, s:e] = o
-            lse[:, :, s:e] = l
+
+            def place(out, lse, o, l, s=s, e=e):
+                out[:, s:e] = o
+                lse[:, :, s:e] = l
+
+            yield (np.ascontiguousarray(q[:, s:e]), None, None, bt, sk, scale_arr, params(s)), place
         return
-    # Static tiles: pad batch rows (seqlen_k 0, page 0) and query rows (zeros;
-    # their outputs are dropped).
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
     for b0 in range(0, batch, bt_t):
         b1 = min(batch, b0 + bt_t)
@@ -264,8 +275,15 @@ def _run(session, variant: Variant, q, kc, vc, bt, sk, scale, mask, out, lse):
             e = min(seqlen_q, s + mq)
             q_pad = np.zeros((bt_t, mq) + q.shape[2:], q.dtype)
             q_pad[:nb, : e - s] = q[b0:b1, s:e]
-            o, l = session.run_variant(
-                variant, q_pad, kc, vc, bt_pad, sk_pad, scale, (s, seqlen_q, left, right)
-            )
-            out[b0:b1, s:e] = o[:nb, : e - s]
-            lse[b0:b1, :, s:e] = l[:nb, :, : e - s]
+
+            def place(out, lse, o, l, b0=b0, b1=b1, nb=nb, s=s, e=e):
+                out[b0:b1, s:e] = o[:nb, : e - s]
+                lse[b0:b1, :, s:e] = l[:nb, :, : e - s]
+
+            yield (q_pad, None, None, bt_pad, sk_pad, scale_arr, params(s)), place
+
+
+def _run(session, variant: Variant, q, kc, vc, bt, sk, scale, mask, out, lse):
+    for (qc, _, _, btc, skc, sc, pc), place in plan_calls(variant, q, bt, sk, scale, mask):
+        o, l = session.run_variant(variant, qc, kc, vc, btc, skc, sc, pc)
+        place(out, lse, o, l)

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Benchmark: turbine-fmha vs torch gather-by-block-table + SDPA, same run.
+
+Shapes (GQA 32/8, hdim 128, page 16, fp16 unless --dtypes says more):
+  cpu:  decode batch 8 x seqlen_k 2048; prefill 1 x 512 causal bottom-right
+  cuda: decode batch 32 x seqlen_k 4096; prefill 1 x 4096 causal bottom-right
+
+Columns:
+  ours_ms      kernel calls on device-resident inputs (the runtime's own
+               padding/chunking loop included), median of --repeat runs
+  ours_api_ms  the public fmha_fwd_paged call on numpy inputs (host->device
+               copies, validation and output copies included)
+  baseline_ms  torch: index_select pages through the block table, then
+               F.scaled_dot_product_attention (4-D, enable_gqa, same mask)
+  sdpa_contig_ms  torch SDPA on already-contiguous K/V (no gather): a roof
+Decode reports effective KV bandwidth in GB/s (K+V bytes of the used keys
+/ time);
+prefill reports TFLOP/s over the visible (unmasked) score elements.
+--verify also checks small random problems on the device against the
+float64 reference. Speed is never asserted here; see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import turbine_fmha  # noqa: E402
+from turbine_fmha.api import _bf16, plan_calls, _UNBOUNDED  # noqa: E402
+from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+
+SHAPES = {
+    "cpu": [
+        dict(name="decode", batch=8, seqlen_q=1, seqlen_k=2048, mask="none"),
+        dict(name="prefill", batch=1, seqlen_q=512, seqlen_k=512, mask="bottom_right"),
+    ],
+    "cuda": [
+        dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096, mask="none"),
+        dict(name="prefill", batch=1, seqlen_q=4096, seqlen_k=4096, mask="bottom_right"),
+    ],
+}
+HQ, HK, D, PAGE = 32, 8, 128, 16
+
+
+def np_dtype(name):
+    return {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "bf16": _bf16()}[name]
+
+
+def median_ms(fn, repeat, warmup=2, sync=lambda: None):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_inputs(rng, shape, dtype):
+    b, sq, sk = shape["batch"], shape["seqlen_q"], shape["seqlen_k"]
+    pages_per_seq = -(-sk // PAGE)
+    num_pages = b * pages_per_seq + 1
+    dt = np_dtype(dtype)
+    # Random data (never zeros: zeros can run faster than real data).
+    k_cache = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(dt)
+    v_cache = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(dt)
+    block_table = rng.permutation(num_pages)[: b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
+    seqlen_k = np.full((b,), sk, np.int32)
+    q = rng.standard_normal((b, sq, HQ, D), dtype=np.float32).astype(dt)
+    return q, k_cache, v_cache, block_table, seqlen_k
+
+
+def visible_elements(sq, sk, mask):
+    if mask == "none":
+        return sq * sk
+    shift = sk - sq
+    return sum(max(0, min(sk, i + shift + 1)) for i in range(sq))
+
+
+def bench_ours(session, shape, inputs, dtype, repeat):
+    import iree.runtime as rt
+
+    q, kc, vc, bt, sk = inputs
+    mask = shape["mask"]
+    variant = session.select((dtype, D, D, HQ, HK, PAGE, mask), shape["seqlen_q"], shape["batch"])
+    fn = session._load(variant).function
+    device = session._iree_config().device
+    right = 0 if mask != "none" else _UNBOUNDED
+    scale = 1.0 / math.sqrt(D)
+    kc_d = rt.asdevicearray(device, kc)
+    vc_d = rt.asdevicearray(device, vc)
+    calls = []
+    for (qc, _, _, btc, skc, sc, pc), _place in plan_calls(variant, q, bt, sk, scale, (shape["seqlen_q"], _UNBOUNDED, right)):
+        calls.append([rt.asdevicearray(device, a) for a in (qc,)] + [kc_d, vc_d] + [rt.asdevicearray(device, a) for a in (btc, skc, sc, pc)])
+    last = []
+
+    def run():
+        last.clear()
+        for args in calls:
+            last.append(fn(*args))
+
+    def sync():
+        for res in last:
+            res[0].to_host()
+
+    ms = median_ms(run, repeat, sync=sync)
+    kw = dict(mask_type=mask, window_size_right=0 if mask != "none" else -1, session=session, device=session.device)
+    api_ms = median_ms(lambda: turbine_fmha.fmha_fwd_paged(*inputs, **kw), max(3, repeat // 3), warmup=1)
+    return variant, ms, api_ms, len(calls)
+
+
+def bench_torch(shape, inputs, dtype, device, repeat):
+    import torch
+    import torch.nn.functional as F
+
+    tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+
+    def tt(a):
+        if a.dtype == _bf16():
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(a).to(device)
+
+    q, kc, vc, bt, sk = (tt(a) for a in inputs)
+    b, sq = shape["batch"], shape["seqlen_q"]
+    skn = shape["seqlen_k"]
+    causal = shape["mask"] != "none"
+    assert not causal or sq == skn  # then bottom-right == top-left == is_causal
+    qh = q.transpose(1, 2)
+    flat = bt.long().reshape(-1)
+
+    def gather_sdpa():
+        k = kc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2)
+        v = vc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2)
+        return F.scaled_dot_product_attention(qh, k, v, is_causal=causal, enable_gqa=True)
+
+    kcont = kc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2).contiguous()
+    vcont = vc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2).contiguous()
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qh, kcont, vcont, is_causal=causal, enable_gqa=True)
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with torch.no_grad():
+        base = median_ms(gather_sdpa, repeat, sync=sync)
+        roof = median_ms(sdpa, repeat, sync=sync)
+    return base, roof
+
+
+def copy_bandwidth_gbs():
+    a = np.ones(256 << 20, np.uint8)  # 256 MiB, well past the caches
+    b = np.empty_like(a)
+    ms = median_ms(lambda: np.copyto(b, a), 5)
+    return 2 * a.nbytes / (ms * 1e-3) / 1e9
+
+
+def verify(session, rng, dtypes):
+    """Small random problems on the device vs the float64 reference."""
+    rows = []
+    for dtype in dtypes:
+        for sq, sks, mask in ((1, [300, 17, 1, 0, 45], "none"), (150, [200, 150], "bottom_right")):
+            b = len(sks)
+            width = max(-(-s // PAGE) for s in sks) + 2
+            num_pages = sum(-(-s // PAGE) for s in sks) + 4
+            dt = np_dtype(dtype)
+            kc = rng.standard_normal((num_pages, PAGE, HK, D)).astype(dt)
+            vc = rng.standard_normal((num_pages, PAGE, HK, D)).astype(dt)
+            bt = np.full((b, width), -1, np.int32)
+            perm = rng.permutation(num_pages)
+            i = 0
+            for r, s in enumerate(sks):
+                n = -(-s // PAGE)
+                bt[r, :n] = perm[i : i + n]
+                i += n
+            q = rng.standard_normal((b, sq, HQ, D)).astype(dt)
+            sk = np.array(sks, np.int32)
+            kw = dict(mask_type=mask, window_size_right=0 if mask != "none" else -1)
+            out, lse = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, return_lse=True, session=session, device=session.device, **kw)
+            ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **kw)
+            err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+            fin = np.isfinite(ref_lse)
+            lerr = float(np.abs(lse[fin] - ref_lse[fin]).max())
+            inf_ok = bool(np.array_equal(np.isneginf(lse), ~fin))
+            tol = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}[dtype]
+            ok = err <= tol and lerr <= 3e-2 and inf_ok
+            rows.append(dict(dtype=dtype, seqlen_q=sq, mask=mask, rel_err=err, lse_abs_err=lerr, ok=ok))
+            print(f"verify {session.device} {dtype} sq={sq} {mask}: rel err {err:.2e}, lse err {lerr:.2e}, -inf rows ok {inf_ok} -> {'OK' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--artifacts", default=None)
+    ap.add_argument("--dtypes", default="f16")
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write rows as a JSON list")
+    ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    repeat = args.repeat or (5 if args.device == "cpu" else 20)
+    rng = np.random.default_rng()
+    session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts)
+    if args.device == "cpu" and not args.no_torch:
+        import torch
+
+        torch.set_num_threads(2)
+    rows = []
+    if args.verify:
+        vrows = verify(session, rng, dtypes)
+        if not all(r["ok"] for r in vrows):
+            print("verification FAILED", file=sys.stderr)
+            return 1
+    extra = {}
+    if args.device == "cpu":
+        extra["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 2)
+        print(f"cpu copy bandwidth (read+write): {extra['copy_bandwidth_gbs']} GB/s", flush=True)
+    for dtype in dtypes:
+        for shape in SHAPES[args.device]:
+            inputs = make_inputs(rng, shape, dtype)
+            variant, ours, ours_api, ncalls = bench_ours(session, shape, inputs, dtype, repeat)
+            base = roof = float("nan")
+            if not args.no_torch:
+                base, roof = bench_torch(shape, inputs, dtype, args.device, repeat)
+            b, sq, sk = shape["batch"], shape["seqlen_q"], shape["seqlen_k"]
+            row = dict(
+                name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
+                nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, mask=shape["mask"], variant=variant.name,
+                kernel_calls=ncalls, ours_ms=round(ours, 3), ours_api_ms=round(ours_api, 3),
+                baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,
+            )
+            if shape["name"] == "decode":
+                kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
+                row["unit"] = "GB/s KV"
+                for key in ("ours", "baseline", "sdpa_contig"):
+                    row[f"{key}_rate"] = round(kv_bytes / (row[f"{key}_ms"] * 1e-3) / 1e9, 2)
+            else:
+                flops = 4.0 * b * HQ * D * visible_elements(sq, sk, shape["mask"])
+                row["unit"] = "TFLOP/s"
+                for key in ("ours", "baseline", "sdpa_contig"):
+                    row[f"{key}_rate"] = round(flops / (row[f"{key}_ms"] * 1e-3) / 1e12, 4)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print(f"| shape | dtype | ours ms | ours (API) ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        shape = f"{r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']}"
+        print(
+            f"| {shape} | {r['dtype']} | {r['ours_ms']:.2f} | {r['ours_api_ms']:.2f} | {r['baseline_ms']:.2f} | "
+            f"{r['sdpa_contig_ms']:.2f} | {r['ours_rate']:.3g} {r['unit']} | {r['baseline_rate']:.3g} | "
+            f"{r['baseline_ms'] / r['ours_ms']:.2f}x |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
