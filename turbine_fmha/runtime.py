@@ -236,11 +236,12 @@ class Session:
             )
 
         def cost(v: Variant):
+            # Least padded work first, then fewest kernel calls.
             if v.formulation == "explicit":
                 return (0, 0)
-            rows = -(-batch // v.batch_tile) * v.batch_tile
-            qrows = -(-seqlen_q // v.seqlen_q_tile) * v.seqlen_q_tile
-            return (rows * qrows, -v.seqlen_q_tile)
+            btiles = -(-batch // v.batch_tile)
+            qtiles = -(-seqlen_q // v.seqlen_q_tile)
+            return (btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles)
 
         return min(cands, key=cost)
 
