@@ -50,13 +50,12 @@ class ArtifactError(RuntimeError):
 
 
 class _Loaded:
-    __slots__ = ("variant", "function", "context", "lock")
+    __slots__ = ("variant", "function", "context")
 
     def __init__(self, variant: Variant, function, context):
         self.variant = variant
         self.function = function
         self.context = context
-        self.lock = threading.Lock()
 
 
 class Session:
@@ -165,9 +164,9 @@ class Session:
         return self._index[variant.name]
 
     def _load_entry(self, variant: Variant, entry: dict) -> _Loaded:
-        import iree.runtime as rt
+        import hashlib
 
-        from .build import sha256_file
+        import iree.runtime as rt
 
         base = Path(entry["_dir"]).resolve()
         path = (base / entry["path"]).resolve()
@@ -182,8 +181,6 @@ class Session:
                 f"but the runtime is {rv}; rebuild the artifacts"
             )
         data = path.read_bytes()
-        import hashlib
-
         if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
             raise ArtifactError(f"sha256 of {path} does not match its manifest entry")
         config = self._iree_config()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable
 
 DTYPES = ("f16", "bf16", "f32")
 MASKS = ("none", "top_left", "bottom_right")
@@ -170,7 +169,3 @@ def gpu_default_set() -> list[Variant]:
                 for mask in ("none", "bottom_right"):
                     out.append(Variant(dtype, 128, 128, 32, 8, page, mask, True, "online", bt, mq))
     return out
-
-
-def parse_list(names: Iterable[str]) -> list[Variant]:
-    return [Variant.parse(n.strip()) for n in names if n.strip()]
