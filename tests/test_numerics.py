@@ -73,7 +73,7 @@ def test_online_formulation_on_cpu(online_session, rng, dtype, mask, left, right
         ("seqlen_k_0", 3, [0, 5], 16, "none", -1, -1),
         ("seqlen_k_1", 1, [1, 1], 16, "none", -1, -1),
         ("sq_gt_sk_bottom_right", 9, [4, 2], 16, "bottom_right", -1, 0),
-        ("fully_masked_window_rows", 6, [40], 16, "bottom_right", 0, -3 + 3),
+        ("window_0_0_bottom_right", 6, [40], 16, "bottom_right", 0, 0),
         ("page_size_1", 5, [7, 3], 1, "top_left", -1, 0),
         ("single_page", 4, [16], 16, "bottom_right", -1, 0),
         ("all_empty", 2, [0, 0], 16, "top_left", -1, 0),
