@@ -34,7 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.api import _bf16, plan_calls, _UNBOUNDED  # noqa: E402
+from turbine_fmha.api import KernelCall, _bf16, plan_calls  # noqa: E402
+from turbine_fmha.variants import UNBOUNDED, Variant  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPES = {
@@ -93,16 +94,20 @@ def bench_ours(session, shape, inputs, dtype, repeat):
 
     q, kc, vc, bt, sk = inputs
     mask = shape["mask"]
-    variant = session.select((dtype, D, D, HQ, HK, PAGE, mask), shape["seqlen_q"], shape["batch"])
+    variant = session.select(Variant(dtype, D, D, HQ, HK, PAGE, mask).problem, shape["seqlen_q"], shape["batch"])
     fn = session._load(variant).function
     device = session._iree_config().device
-    right = 0 if mask != "none" else _UNBOUNDED
-    scale = 1.0 / math.sqrt(D)
+    call = KernelCall(
+        q=q, block_table=bt, seqlen_k=sk, scale=1.0 / math.sqrt(D), softcap=0.0,
+        seqlen_q=shape["seqlen_q"], left=UNBOUNDED, right=0 if mask != "none" else UNBOUNDED,
+        sink_size=0, alibi_slopes=None, bias=None, sinks=None,
+    )
     kc_d = rt.asdevicearray(device, kc)
     vc_d = rt.asdevicearray(device, vc)
     calls = []
-    for (qc, _, _, btc, skc, sc, pc), _place in plan_calls(variant, q, bt, sk, scale, (shape["seqlen_q"], _UNBOUNDED, right)):
-        calls.append([rt.asdevicearray(device, a) for a in (qc,)] + [kc_d, vc_d] + [rt.asdevicearray(device, a) for a in (btc, skc, sc, pc)])
+    for args, _place in plan_calls(variant, call):
+        dev = [rt.asdevicearray(device, a) for a in args]
+        calls.append([dev[0], kc_d, vc_d, *dev[1:]])
     last = []
 
     def run():

@@ -62,7 +62,7 @@ def main() -> int:
         bt = np.stack([alloc(s, width) for s in sks])
         sk = np.array(sks, np.int32)
         q = rng.standard_normal((b, sq, nhead_q, hdim)).astype(NP_DTYPE[dtype])
-        variant = session.select((dtype, hdim, hdim, nhead_q, nhead_k, page, mask), sq, b)
+        variant = session.select(turbine_fmha.Variant(dtype, hdim, hdim, nhead_q, nhead_k, page, mask).problem, sq, b)
         # Masked requests are causal: window (-1, 0).
         kw = dict(mask_type=mask, window_size_right=0 if mask != "none" else -1)
         turbine_fmha.fmha_fwd_paged(q, k_cache, v_cache, bt, sk, session=session, **kw)  # load/warm

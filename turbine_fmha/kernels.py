@@ -30,7 +30,7 @@ from iree.turbine.runtime.op_reg.base import (
 )
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from .variants import Variant
+from .variants import UNBOUNDED, Variant
 
 
 def mlir_dir() -> Path:
@@ -65,10 +65,15 @@ _TEMPLATES = RepoJinjaLoader()
 _TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
-# The argument list shared by both formulations (see the templates).
+# The argument list shared by both formulations (see the templates):
+#   fparams = [scale, logits_soft_cap]            (f32)
+#   iparams = [q_start, seqlen_q, window_left, window_right, sink_size] (i32)
+#   alibi_slopes [batch, nhead_q] f32, bias [b|1, h|1, rows, keys] f32 and
+#   sinks [nhead_q] f32 are present only in variants that use them.
 _SIGNATURE_ARGS = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-    "Tensor seqlen_k, Tensor scale, Tensor params, str mask"
+    "Tensor seqlen_k, Tensor fparams, Tensor iparams, Tensor? alibi_slopes, "
+    "Tensor? bias, Tensor? sinks, str mask, int softcap"
 )
 
 
@@ -78,8 +83,10 @@ class _PagedKVFwd(CustomOp):
     static_rows: bool = False
 
     def select(self, ksel: KernelSelection):
-        q, kc, vc, bt, sk, scale, params = (ksel.arg_tensor(i) for i in range(7))
-        ksel.attr_str(7)
+        q, kc, vc, bt, sk, fparams, iparams = (ksel.arg_tensor(i) for i in range(7))
+        alibi, bias, sinks = (ksel.arg_optional_tensor(i) for i in (7, 8, 9))
+        ksel.attr_str(10)
+        ksel.attr_int(11)
         torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
         torch._check(kc.t.dtype == q.t.dtype and vc.t.dtype == q.t.dtype, lambda: "dtype mismatch")
         torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
@@ -87,8 +94,15 @@ class _PagedKVFwd(CustomOp):
         q.specialize_dims(2, 3)
         kc.specialize_dims(1, 2, 3)
         vc.specialize_dims(1, 2, 3)
-        scale.specialize_all_dims()
-        params.specialize_all_dims()
+        fparams.specialize_all_dims()
+        iparams.specialize_all_dims()
+        if alibi is not None:
+            alibi.specialize_dims(1)
+        if bias is not None:
+            # Broadcast axes (size 1) are static; the others follow q.
+            bias.specialize_dims(*[i for i in (0, 1) if bias.t.shape[i] == 1 or i == 1])
+        if sinks is not None:
+            sinks.specialize_all_dims()
         b, sq, hq, _ = q.t.shape
         out = ksel.return_new_tensor([b, sq, hq, vc.t.shape[3]], q.t.dtype)
         lse = ksel.return_new_tensor([b, hq, sq], torch.float32)
@@ -96,6 +110,10 @@ class _PagedKVFwd(CustomOp):
             q.specialize_dims(0, 1)
             bt.specialize_dims(0)
             sk.specialize_all_dims()
+            if alibi is not None:
+                alibi.specialize_all_dims()
+            if bias is not None:
+                bias.specialize_dims(0, 1, 2)
             out.specialize_all_dims()
             lse.specialize_all_dims()
         else:
@@ -104,6 +122,7 @@ class _PagedKVFwd(CustomOp):
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         q, kc, vc = (ksel.arg_descs[i].t for i in range(3))
+        alibi, bias, sinks = (ksel.arg_descs[i].maybe_tensor_value for i in (7, 8, 9))
         p = dict(
             dt=_DTYPE_NAME[q.dtype],
             HQ=q.shape[2],
@@ -111,21 +130,39 @@ class _PagedKVFwd(CustomOp):
             D=q.shape[3],
             DV=vc.shape[3],
             PAGE=kc.shape[1],
-            mask=ksel.arg_descs[7].v,
+            mask=ksel.arg_descs[10].v,
+            SOFTCAP=bool(ksel.arg_descs[11].v),
+            ALIBI=alibi is not None,
+            BIAS_SHAPE=_bias_shape(bias),
+            SINKS=sinks is not None,
             BT=q.shape[0],
             MQ=q.shape[1],
+            UNBOUNDED=UNBOUNDED,
         )
         func_name = (
             f"{self.template}_{p['dt']}_d{p['D']}x{p['DV']}_h{p['HQ']}x{p['HK']}"
             f"_pg{p['PAGE']}_{p['mask']}"
+            + ("_alibi" if p["ALIBI"] else "")
+            + (f"_bias{p['BIAS_SHAPE']}" if p["BIAS_SHAPE"] else "")
+            + ("_softcap" if p["SOFTCAP"] else "")
+            + ("_sink" if p["SINKS"] else "")
         )
         if self.static_rows:
             func_name += f"_b{p['BT']}_q{p['MQ']}"
         func = _TEMPLATES.inline_template_function(
             kb, self.template, func_name, func_name=func_name, **p
         )
-        args = [kb.arg_value(i) for i in range(7)]
+        # Absent optional tensors are not kernel arguments, and the builder
+        # numbers only the arguments that are present.
+        n_optional = sum(t is not None for t in (alibi, bias, sinks))
+        args = [kb.arg_value(i) for i in range(7 + n_optional)]
         kb.yield_results(*call_function(func, *args))
+
+
+def _bias_shape(bias) -> str:
+    if bias is None:
+        return ""
+    return ("b" if bias.shape[0] != 1 else "1") + ("h" if bias.shape[1] != 1 else "1")
 
 
 class PagedKVFwdExplicit(_PagedKVFwd):
@@ -156,20 +193,34 @@ def _op(formulation: str) -> _PagedKVFwd:
 
 
 def example_args(v: Variant) -> list:
-    """Meta tensors shaped like a call of `v` (dynamic dims get size 1)."""
+    """Meta tensors shaped like a call of `v` (dynamic dims get size 2, so a
+    size-1 axis always means a broadcast axis)."""
     dt = _TORCH_DTYPE[v.dtype]
-    b = v.batch_tile or 1
-    sq = v.seqlen_q_tile or 1
-    meta = dict(device="meta")
+    b = v.batch_tile or 2
+    sq = v.seqlen_q_tile or 2
+    f32 = torch.float32
+
+    def t(*shape, dtype=f32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    bias = None
+    if v.bias == "elementwise":
+        bb = b if v.bias_shape[0] == "b" else 1
+        bh = v.nhead_q if v.bias_shape[1] == "h" else 1
+        bias = t(bb, bh, sq, 2)
     return [
-        torch.empty(b, sq, v.nhead_q, v.hdim_q, dtype=dt, **meta),
-        torch.empty(1, v.page_block_size, v.nhead_k, v.hdim_q, dtype=dt, **meta),
-        torch.empty(1, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt, **meta),
-        torch.empty(b, 1, dtype=torch.int32, **meta),
-        torch.empty(b, dtype=torch.int32, **meta),
-        torch.empty((), dtype=torch.float32, **meta),
-        torch.empty(4, dtype=torch.int32, **meta),
+        t(b, sq, v.nhead_q, v.hdim_q, dtype=dt),
+        t(2, v.page_block_size, v.nhead_k, v.hdim_q, dtype=dt),
+        t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt),
+        t(b, 2, dtype=torch.int32),
+        t(b, dtype=torch.int32),
+        t(2),
+        t(5, dtype=torch.int32),
+        t(b, v.nhead_q) if v.bias == "alibi" else None,
+        bias,
+        t(v.nhead_q) if v.sinks else None,
         v.mask,
+        int(v.softcap),
     ]
 
 

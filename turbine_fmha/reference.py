@@ -1,8 +1,19 @@
 """Float64 numpy reference of the paged-KV attention forward.
 
 Deliberately plain: one (batch, head) at a time, keys gathered through the
-block table, ck_tile's generic mask evaluated per element. Tests and the demo
-compare the kernels against it.
+block table, and every term written the way ck_tile's host reference and
+fwd pipeline define it (block_masking.hpp, block_position_encoding.hpp,
+variants.hpp). Tests and the demo compare the kernels against it.
+
+Score of query row i and key t for head h, in this order:
+    s = scale * q.k
+    s = cap * tanh(s / cap)                   logits_soft_cap = cap > 0
+    s += alibi(h, i, t)                       alibi_slopes
+    s += bias[b, h, i, t]                     bias (broadcast over size-1 axes)
+    s = -inf where the mask hides t
+Softmax over the visible keys; a per-head attention sink (sinks) joins the
+denominator as exp(sink - m) and contributes no value. A row without visible
+keys gets output 0 and LSE -inf (LSE = sink with sinks).
 """
 
 from __future__ import annotations
@@ -18,14 +29,12 @@ def visible_mask(
     mask_type: str = "none",
     window_size_left: int = -1,
     window_size_right: int = -1,
+    sink_size: int = 0,
 ) -> np.ndarray:
     """Boolean [seqlen_q, seqlen_k]: may query row i attend to key t?
 
-    ck_tile's generic mask (make_generic_attention_mask_coordinates_from_lr_window
-    followed by IsOutOfBound): with shift = seqlen_k - seqlen_q for bottom-right
-    and 0 for top-left, key t is visible from row i iff
-        i + shift - left <= t <= i + shift + right,
-    where a window size of -1 leaves that side unbounded. Causal is (-1, 0).
+    ck_tile's make_generic_attention_mask_coordinates_from_lr_window and
+    GenericAttentionMask::IsOutOfSinkBound, transcribed.
     """
     if mask_type not in MASK_TYPES:
         raise ValueError(f"mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
@@ -33,13 +42,35 @@ def visible_mask(
     t = np.arange(seqlen_k)[None, :]
     if mask_type == "none":
         return np.ones((seqlen_q, seqlen_k), dtype=bool)
-    shift = seqlen_k - seqlen_q if mask_type == "bottom_right" else 0
-    vis = np.ones((seqlen_q, seqlen_k), dtype=bool)
-    if window_size_left >= 0:
-        vis &= t >= i + shift - window_size_left
-    if window_size_right >= 0:
-        vis &= t <= i + shift + window_size_right
-    return vis
+    top_left = mask_type == "top_left"
+    sq, sk = seqlen_q, seqlen_k
+    left = window_size_left if window_size_left >= 0 else (sq - 1 if top_left else sk - 1)
+    right = window_size_right if window_size_right >= 0 else (sk - 1 if top_left else sq - 1)
+    x_tmp = 0 if top_left else sk - sq
+    y_tmp = 0 if top_left else sq - sk
+    x = 1 + right + x_tmp
+    y = 1 + left + y_tmp
+    x_start = -y + i + 1
+    x_end = np.minimum(i + x, sk)
+    in_window = (t >= x_start) & (t < x_end)
+    is_sink = (t < sink_size) & (t < i + x) & (y < sq) & (i < sk)
+    return in_window | is_sink
+
+
+def alibi_bias(slope: float, seqlen_q: int, seqlen_k: int, mask_type: str, window_size_left: int, window_size_right: int) -> np.ndarray:
+    """ck_tile's ALiBi term [seqlen_q, seqlen_k] for one head (slope > 0).
+
+    make_alibi_from_lr_mask: a causal mask (left < 0, right == 0) uses the
+    VERTICAL form +slope * t; otherwise -slope * |i + shift - t|, shift =
+    seqlen_k - seqlen_q except for top-left masks (bottom-right alignment when
+    there is no mask).
+    """
+    i = np.arange(seqlen_q)[:, None]
+    t = np.arange(seqlen_k)[None, :]
+    if mask_type != "none" and window_size_left < 0 and window_size_right == 0:
+        return slope * np.broadcast_to(t, (seqlen_q, seqlen_k)).astype(np.float64)
+    shift = 0 if mask_type == "top_left" else seqlen_k - seqlen_q
+    return -slope * np.abs(i + shift - t).astype(np.float64)
 
 
 def gather_pages(cache: np.ndarray, pages: np.ndarray, seqlen: int) -> np.ndarray:
@@ -61,11 +92,13 @@ def fmha_fwd_paged_ref(
     mask_type="none",
     window_size_left=-1,
     window_size_right=-1,
+    sink_size=0,
+    alibi_slopes=None,
+    bias=None,
+    logits_soft_cap=0.0,
+    sinks=None,
 ):
-    """Returns (out [b, sq, hq, dv] float64, lse [b, hq, sq] float64).
-
-    A row with no visible key gets output 0 and LSE -inf.
-    """
+    """Returns (out [b, sq, hq, dv] float64, lse [b, hq, sq] float64)."""
     q = np.asarray(q, dtype=np.float64)
     k_cache = np.asarray(k_cache, dtype=np.float64)
     v_cache = np.asarray(v_cache, dtype=np.float64)
@@ -77,21 +110,39 @@ def fmha_fwd_paged_ref(
     group = hq // hk
     if scale is None:
         scale = 1.0 / np.sqrt(d)
+    if alibi_slopes is not None:
+        alibi_slopes = np.broadcast_to(np.asarray(alibi_slopes, np.float64), (b, hq))
+    if bias is not None:
+        bias = np.asarray(bias, np.float64)
+    if sinks is not None:
+        sinks = np.asarray(sinks, np.float64)
     out = np.zeros((b, sq, hq, dv))
     lse = np.full((b, hq, sq), -np.inf)
     for bi in range(b):
         sk = int(seqlen_k[bi])
         k = gather_pages(k_cache, block_table[bi], sk)  # [sk, hk, d]
         v = gather_pages(v_cache, block_table[bi], sk)
-        vis = visible_mask(sq, sk, mask_type, window_size_left, window_size_right)
+        vis = visible_mask(sq, sk, mask_type, window_size_left, window_size_right, sink_size)
         for h in range(hq):
             s = scale * (q[bi, :, h, :] @ k[:, h // group, :].T)  # [sq, sk]
+            if logits_soft_cap > 0:
+                s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+            if alibi_slopes is not None:
+                s = s + alibi_bias(alibi_slopes[bi, h], sq, sk, mask_type, window_size_left, window_size_right)
+            if bias is not None:
+                s = s + bias[bi % bias.shape[0], h % bias.shape[1], :, :sk]
             s = np.where(vis, s, -np.inf)
             m = s.max(axis=1, initial=-np.inf)
-            has_key = np.isfinite(m)
-            p = np.exp(s - np.where(has_key, m, 0.0)[:, None])
+            if sinks is not None:
+                m = np.maximum(m, sinks[h])
+            has_mass = np.isfinite(m)
+            m0 = np.where(has_mass, m, 0.0)
+            p = np.exp(s - m0[:, None])
             l = p.sum(axis=1)
+            if sinks is not None:
+                l = l + np.exp(sinks[h] - m0)
             o = p @ v[:, h // group, :]
-            out[bi, :, h, :] = np.where(has_key[:, None], o / np.where(has_key, l, 1.0)[:, None], 0.0)
-            lse[bi, h, :] = np.where(has_key, m + np.log(np.where(has_key, l, 1.0)), -np.inf)
+            nonzero = l > 0
+            out[bi, :, h, :] = np.where(nonzero[:, None], o / np.where(nonzero, l, 1.0)[:, None], 0.0)
+            lse[bi, h, :] = np.where(nonzero, m0 + np.log(np.where(nonzero, l, 1.0)), -np.inf)
     return out, lse

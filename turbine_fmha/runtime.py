@@ -195,38 +195,30 @@ class Session:
 
     # -- execution ----------------------------------------------------------
 
-    def run_variant(self, variant: Variant, q, k_cache, v_cache, block_table, seqlen_k, scale, params):
-        """One kernel call on already-validated, contiguous numpy inputs."""
+    def run_variant(self, variant: Variant, *args):
+        """One kernel call on validated, contiguous numpy arguments, in the
+        kernel's order (see turbine_fmha.api.plan_calls)."""
         loaded = self._load(variant)
-        args = [
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seqlen_k,
-            np.asarray(scale, dtype=np.float32).reshape(()),
-            np.asarray(params, dtype=np.int32),
-        ]
         res = loaded.function(*args)
         out, lse = (r.to_host() for r in res)
         return out, lse
 
-    def select(self, problem: tuple, seqlen_q: int, batch: int) -> Variant:
-        """Picks the variant for a call: exact problem match; for static
-        (online) variants, the one that pads least."""
+    def select(self, problem: dict, seqlen_q: int, batch: int) -> Variant:
+        """Picks the variant for a call: an exact match of `problem` (see
+        Variant.problem); among static (online) variants, the one that pads
+        least, then the one with the fewest launches."""
         cands = [
             v
             for v in (Variant.parse(n) for n in self._index)
-            if v.problem_key == problem and v.formulation == self.formulation
+            if v.problem == problem and v.formulation == self.formulation
         ]
         if not cands and self.compile_missing:
             return self._default_variant_for(problem, seqlen_q)
         if not cands:
-            dt, hq_d, hv_d, nq, nk, page, mask = problem
+            described = ", ".join(f"{k}={v}" for k, v in problem.items())
             raise ArtifactError(
-                f"no {self.target.name} artifact in {self.artifact_dir} for dtype={dt}, "
-                f"hdim_q={hq_d}, hdim_v={hv_d}, nhead_q={nq}, nhead_k={nk}, "
-                f"page_block_size={page}, mask_type={mask}. Build it with:\n"
+                f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
+                f"Build it with:\n"
                 f"  turbine-fmha build --targets {self.target.name} --out {self.artifact_dir} "
                 f"--variants {self._default_variant_for(problem, seqlen_q).name}\n"
                 f"or create the Session with compile_missing=True."
@@ -242,14 +234,13 @@ class Session:
 
         return min(cands, key=cost)
 
-    def _default_variant_for(self, problem: tuple, seqlen_q: int) -> Variant:
-        dt, dq, dv, nq, nk, page, mask = problem
+    def _default_variant_for(self, problem: dict, seqlen_q: int) -> Variant:
         if self.formulation == "explicit":
-            return Variant(dt, dq, dv, nq, nk, page, mask)
+            return Variant(**problem)
         from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE
 
         bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
-        return Variant(dt, dq, dv, nq, nk, page, mask, True, "online", bt, mq)
+        return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq)
 
 
 _DEFAULT_SESSIONS: dict[str, Session] = {}

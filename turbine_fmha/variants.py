@@ -20,7 +20,16 @@ import re
 
 DTYPES = ("f16", "bf16", "f32")
 MASKS = ("none", "top_left", "bottom_right")
+BIASES = ("none", "alibi", "elementwise")
+# Which axes an elementwise bias has (the others broadcast): "11" is
+# [1, 1, sq, sk], "b1" [batch, 1, sq, sk], "1h" [1, nhead_q, sq, sk], "bh" full.
+BIAS_SHAPES = ("11", "b1", "1h", "bh")
 FORMULATIONS = ("explicit", "online")
+
+# A window side of -1 is unbounded; the kernels take this bound instead (no
+# sequence reaches it, and i + shift + bound cannot overflow their 64-bit
+# index arithmetic). ALiBi's causal (VERTICAL) form is keyed on it.
+UNBOUNDED = 1 << 30
 
 _MASK_TAG = {"none": "nmask", "top_left": "mtl", "bottom_right": "mbr"}
 _TAG_MASK = {v: k for k, v in _MASK_TAG.items()}
@@ -31,6 +40,9 @@ _NAME_RE = re.compile(
     r"_h(?P<nhead_q>\d+)x(?P<nhead_k>\d+)"
     r"_pg(?P<page>\d+)"
     r"_(?P<mask>nmask|mtl|mbr)"
+    r"(?:_(?P<bias>alibi|bias(?P<bias_shape>11|b1|1h|bh)))?"
+    r"(?P<softcap>_softcap)?"
+    r"(?P<sinks>_sink)?"
     r"_(?P<lse>lse|nlse)"
     r"_(?P<form>explicit|online)"
     r"(?:_b(?P<bt>\d+)_q(?P<mq>\d+))?$"
@@ -46,6 +58,10 @@ class Variant:
     nhead_k: int
     page_block_size: int
     mask: str = "none"
+    bias: str = "none"
+    bias_shape: str = ""
+    softcap: bool = False
+    sinks: bool = False
     lse: bool = True
     formulation: str = "explicit"
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
@@ -57,6 +73,16 @@ class Variant:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.bias not in BIASES:
+            raise ValueError(f"bias must be one of {BIASES}, got {self.bias!r}")
+        if (self.bias == "elementwise") != (self.bias_shape in BIAS_SHAPES):
+            raise ValueError(
+                f"bias_shape must be one of {BIAS_SHAPES} exactly when bias is "
+                f"'elementwise' (got bias={self.bias!r}, bias_shape={self.bias_shape!r})"
+            )
+        if self.softcap and self.bias != "none":
+            # ck_tile forbids it (pipeline static_assert, codegen check_feature).
+            raise ValueError("logits soft-cap cannot be combined with a bias or ALiBi")
         if self.formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}")
         for f in ("hdim_q", "hdim_v", "nhead_q", "nhead_k", "page_block_size"):
@@ -81,9 +107,17 @@ class Variant:
         s = (
             f"pagedkv_fwd_{self.dtype}_d{self.hdim_q}x{self.hdim_v}"
             f"_h{self.nhead_q}x{self.nhead_k}_pg{self.page_block_size}"
-            f"_{_MASK_TAG[self.mask]}_{'lse' if self.lse else 'nlse'}"
-            f"_{self.formulation}"
+            f"_{_MASK_TAG[self.mask]}"
         )
+        if self.bias == "alibi":
+            s += "_alibi"
+        elif self.bias == "elementwise":
+            s += f"_bias{self.bias_shape}"
+        if self.softcap:
+            s += "_softcap"
+        if self.sinks:
+            s += "_sink"
+        s += f"_{'lse' if self.lse else 'nlse'}_{self.formulation}"
         if self.formulation == "online":
             s += f"_b{self.batch_tile}_q{self.seqlen_q_tile}"
         return s
@@ -102,6 +136,10 @@ class Variant:
             nhead_k=int(g["nhead_k"]),
             page_block_size=int(g["page"]),
             mask=_TAG_MASK[g["mask"]],
+            bias="alibi" if g["bias"] == "alibi" else ("elementwise" if g["bias"] else "none"),
+            bias_shape=g["bias_shape"] or "",
+            softcap=bool(g["softcap"]),
+            sinks=bool(g["sinks"]),
             lse=g["lse"] == "lse",
             formulation=g["form"],
             batch_tile=int(g["bt"] or 0),
@@ -112,17 +150,24 @@ class Variant:
         return self.name
 
     @property
-    def problem_key(self) -> tuple:
-        """What a call must match exactly (everything but lse and tiling)."""
-        return (
-            self.dtype,
-            self.hdim_q,
-            self.hdim_v,
-            self.nhead_q,
-            self.nhead_k,
-            self.page_block_size,
-            self.mask,
-        )
+    def problem(self) -> dict:
+        """The fields a call must match exactly (all but lse and tiling)."""
+        return {f: getattr(self, f) for f in PROBLEM_FIELDS}
+
+
+PROBLEM_FIELDS = (
+    "dtype",
+    "hdim_q",
+    "hdim_v",
+    "nhead_q",
+    "nhead_k",
+    "page_block_size",
+    "mask",
+    "bias",
+    "bias_shape",
+    "softcap",
+    "sinks",
+)
 
 
 # Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
@@ -164,8 +209,8 @@ def gpu_default_set() -> list[Variant]:
     for dtype in ("f16", "bf16"):
         for page in (16, 64):
             for bt, mq in GPU_DECODE_TILES:
-                out.append(Variant(dtype, 128, 128, 32, 8, page, "none", True, "online", bt, mq))
+                out.append(Variant(dtype, 128, 128, 32, 8, page, "none", formulation="online", batch_tile=bt, seqlen_q_tile=mq))
             for bt, mq in GPU_PREFILL_TILES:
                 for mask in ("none", "bottom_right"):
-                    out.append(Variant(dtype, 128, 128, 32, 8, page, mask, True, "online", bt, mq))
+                    out.append(Variant(dtype, 128, 128, 32, 8, page, mask, formulation="online", batch_tile=bt, seqlen_q_tile=mq))
     return out
