@@ -89,18 +89,58 @@ def visible_elements(sq, sk, mask):
     return sum(max(0, min(sk, i + shift + 1)) for i in range(sq))
 
 
-def bench_ours(session, shape, inputs, dtype, repeat):
+# Score-side features timed against the plain causal kernel (--features).
+# Values: fmha_fwd_paged keyword arguments on top of the causal mask;
+# callables get (rng, shape) and return the argument.
+FEATURES = {
+    "causal": {},
+    "window 256": dict(window_size_left=256),
+    "window 256 + 4 sink tokens": dict(window_size_left=256, sink_size=4),
+    "alibi": dict(alibi_slopes=lambda rng, sh: (2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ)).astype(np.float32)),
+    "bias [1,1,sq,sk]": dict(bias=lambda rng, sh: rng.standard_normal((1, 1, sh["seqlen_q"], sh["seqlen_k"]), dtype=np.float32)),
+    "bias [1,h,sq,sk]": dict(bias=lambda rng, sh: rng.standard_normal((1, HQ, sh["seqlen_q"], sh["seqlen_k"]), dtype=np.float32)),
+    "soft-cap 30": dict(logits_soft_cap=30.0),
+    "attention sinks": dict(sinks=lambda rng, sh: rng.uniform(-1, 1, HQ).astype(np.float32)),
+}
+
+
+def feature_kwargs(name, rng, shape):
+    kw = dict(mask_type=shape["mask"], window_size_left=-1, window_size_right=0 if shape["mask"] != "none" else -1)
+    for k, v in FEATURES[name].items():
+        kw[k] = v(rng, shape) if callable(v) else v
+    return kw
+
+
+def feature_variant(dtype, shape, kw, tiles=None):
+    bias = kw.get("bias")
+    problem = Variant(
+        dtype, D, D, HQ, HK, PAGE, kw["mask_type"],
+        bias="alibi" if kw.get("alibi_slopes") is not None else ("elementwise" if bias is not None else "none"),
+        bias_shape="" if bias is None else ("b" if bias.shape[0] != 1 else "1") + ("h" if bias.shape[1] != 1 else "1"),
+        softcap=kw.get("logits_soft_cap", 0.0) > 0, sinks=kw.get("sinks") is not None,
+    ).problem
+    if tiles is None:
+        return problem
+    return Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1])
+
+
+def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
     import iree.runtime as rt
 
     q, kc, vc, bt, sk = inputs
-    mask = shape["mask"]
-    variant = session.select(Variant(dtype, D, D, HQ, HK, PAGE, mask).problem, shape["seqlen_q"], shape["batch"])
+    if kw is None:
+        kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
+    variant = session.select(feature_variant(dtype, shape, kw), shape["seqlen_q"], shape["batch"])
     fn = session._load(variant).function
     device = session._iree_config().device
+    left, right = kw.get("window_size_left", -1), kw.get("window_size_right", -1)
+    slopes = kw.get("alibi_slopes")
     call = KernelCall(
-        q=q, block_table=bt, seqlen_k=sk, scale=1.0 / math.sqrt(D), softcap=0.0,
-        seqlen_q=shape["seqlen_q"], left=UNBOUNDED, right=0 if mask != "none" else UNBOUNDED,
-        sink_size=0, alibi_slopes=None, bias=None, sinks=None,
+        q=q, block_table=bt, seqlen_k=sk, scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0),
+        seqlen_q=shape["seqlen_q"], left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
+        sink_size=kw.get("sink_size", 0),
+        alibi_slopes=None if slopes is None else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),
+        bias=kw.get("bias"), sinks=kw.get("sinks"),
     )
     kc_d = rt.asdevicearray(device, kc)
     vc_d = rt.asdevicearray(device, vc)
@@ -120,9 +160,54 @@ def bench_ours(session, shape, inputs, dtype, repeat):
             res[0].to_host()
 
     ms = median_ms(run, repeat, sync=sync)
-    kw = dict(mask_type=mask, window_size_right=0 if mask != "none" else -1, session=session, device=session.device)
-    api_ms = median_ms(lambda: turbine_fmha.fmha_fwd_paged(*inputs, **kw), max(3, repeat // 3), warmup=1)
+    api_ms = float("nan")
+    if api:
+        api_ms = median_ms(
+            lambda: turbine_fmha.fmha_fwd_paged(*inputs, session=session, device=session.device, **kw),
+            max(3, repeat // 3), warmup=1,
+        )
     return variant, ms, api_ms, len(calls)
+
+
+def bench_features(session, rng, dtype, repeat):
+    """Cost of each score-side feature relative to the plain causal kernel,
+    same shapes as the main table (causal bottom-right for decode too)."""
+    rows = []
+    for base in SHAPES[session.device]:
+        shape = dict(base, mask="bottom_right")
+        inputs = make_inputs(rng, shape, dtype)
+        plain = None
+        for name in FEATURES:
+            kw = feature_kwargs(name, rng, shape)
+            variant, ms, _, _ = bench_ours(session, shape, inputs, dtype, repeat, kw=kw, api=False)
+            plain = plain or ms
+            row = dict(table="features", name=shape["name"], feature=name, device=session.device, dtype=dtype,
+                       batch=shape["batch"], seqlen_q=shape["seqlen_q"], seqlen_k=shape["seqlen_k"],
+                       variant=variant.name, ours_ms=round(ms, 3), vs_causal=round(ms / plain, 3))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print("| shape | feature | variant | ms | vs causal |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']} | {r['feature']} | {r['variant']} | {r['ours_ms']:.2f} | {r['vs_causal']:.2f}x |")
+    return rows
+
+
+def feature_variant_names(device):
+    """The variants --features needs (for building the CUDA set)."""
+    from turbine_fmha.variants import GPU_DECODE_TILES, GPU_PREFILL_TILES
+
+    rng = np.random.default_rng(0)
+    names = set()
+    for base in SHAPES[device]:
+        shape = dict(base, mask="bottom_right")
+        tiles = max(GPU_DECODE_TILES) if shape["seqlen_q"] == 1 else max(GPU_PREFILL_TILES)
+        for name in FEATURES:
+            # Tiny arrays: only their axes matter for the variant.
+            kw = feature_kwargs(name, rng, dict(shape, seqlen_q=1, seqlen_k=1))
+            names.add(feature_variant("f16", shape, kw, tiles).name)
+    return sorted(names)
 
 
 def bench_torch(shape, inputs, dtype, device, repeat):
@@ -170,36 +255,54 @@ def copy_bandwidth_gbs():
 
 
 def verify(session, rng, dtypes):
-    """Small random problems on the device vs the float64 reference."""
-    rows = []
+    """Small random problems on the device vs the float64 reference: plain
+    decode and causal prefill per dtype, then each score-side feature (fp16)."""
+    cases = []
     for dtype in dtypes:
-        for sq, sks, mask in ((1, [300, 17, 1, 0, 45], "none"), (150, [200, 150], "bottom_right")):
-            b = len(sks)
-            width = max(-(-s // PAGE) for s in sks) + 2
-            num_pages = sum(-(-s // PAGE) for s in sks) + 4
-            dt = np_dtype(dtype)
-            kc = rng.standard_normal((num_pages, PAGE, HK, D)).astype(dt)
-            vc = rng.standard_normal((num_pages, PAGE, HK, D)).astype(dt)
-            bt = np.full((b, width), -1, np.int32)
-            perm = rng.permutation(num_pages)
-            i = 0
-            for r, s in enumerate(sks):
-                n = -(-s // PAGE)
-                bt[r, :n] = perm[i : i + n]
-                i += n
-            q = rng.standard_normal((b, sq, HQ, D)).astype(dt)
-            sk = np.array(sks, np.int32)
-            kw = dict(mask_type=mask, window_size_right=0 if mask != "none" else -1)
-            out, lse = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, return_lse=True, session=session, device=session.device, **kw)
-            ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **kw)
-            err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
-            fin = np.isfinite(ref_lse)
-            lerr = float(np.abs(lse[fin] - ref_lse[fin]).max())
-            inf_ok = bool(np.array_equal(np.isneginf(lse), ~fin))
-            tol = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}[dtype]
-            ok = err <= tol and lerr <= 3e-2 and inf_ok
-            rows.append(dict(dtype=dtype, seqlen_q=sq, mask=mask, rel_err=err, lse_abs_err=lerr, ok=ok))
-            print(f"verify {session.device} {dtype} sq={sq} {mask}: rel err {err:.2e}, lse err {lerr:.2e}, -inf rows ok {inf_ok} -> {'OK' if ok else 'FAIL'}", flush=True)
+        cases.append((dtype, 1, [300, 17, 1, 0, 45], dict(mask_type="none"), "plain"))
+        cases.append((dtype, 150, [200, 150], dict(mask_type="bottom_right", window_size_right=0), "plain"))
+    feats = {
+        "alibi": lambda b, sq, sks: dict(alibi_slopes=rng.uniform(0.01, 0.5, (b, HQ)).astype(np.float32)),
+        "bias": lambda b, sq, sks: dict(bias=rng.standard_normal((b, HQ, sq, max(sks))).astype(np.float32)),
+        "soft-cap": lambda b, sq, sks: dict(logits_soft_cap=2.0),
+        "sinks": lambda b, sq, sks: dict(sinks=rng.uniform(-1, 2, HQ).astype(np.float32)),
+    }
+    for fname, make in feats.items():
+        cases.append(("f16", 1, [300, 17, 1, 0, 45], dict(mask_type="none", _feature=make), fname))
+        cases.append(("f16", 150, [200, 150], dict(mask_type="bottom_right", window_size_right=0, _feature=make), fname))
+    rows = []
+    for dtype, sq, sks, kw, label in cases:
+        kw = dict(kw)
+        make = kw.pop("_feature", None)
+        b = len(sks)
+        if make:
+            kw.update(make(b, sq, sks))
+        width = max(-(-s // PAGE) for s in sks) + 2
+        num_pages = sum(-(-s // PAGE) for s in sks) + 4
+        dt = np_dtype(dtype)
+        kc = rng.standard_normal((num_pages, PAGE, HK, D)).astype(dt)
+        vc = rng.standard_normal((num_pages, PAGE, HK, D)).astype(dt)
+        bt = np.full((b, width), -1, np.int32)
+        perm = rng.permutation(num_pages)
+        i = 0
+        for r, s in enumerate(sks):
+            n = -(-s // PAGE)
+            bt[r, :n] = perm[i : i + n]
+            i += n
+        q = rng.standard_normal((b, sq, HQ, D)).astype(dt)
+        if label == "soft-cap":
+            q = q * np.asarray(4, dt)
+        sk = np.array(sks, np.int32)
+        out, lse = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, return_lse=True, session=session, device=session.device, **kw)
+        ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **kw)
+        err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+        fin = np.isfinite(ref_lse)
+        lerr = float(np.abs(lse[fin] - ref_lse[fin]).max())
+        inf_ok = bool(np.array_equal(np.isneginf(lse), ~fin))
+        tol = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}[dtype]
+        ok = err <= tol and lerr <= 3e-2 and inf_ok
+        rows.append(dict(dtype=dtype, seqlen_q=sq, mask=kw["mask_type"], feature=label, rel_err=err, lse_abs_err=lerr, ok=ok))
+        print(f"verify {session.device} {dtype} sq={sq} {kw['mask_type']} {label}: rel err {err:.2e}, lse err {lerr:.2e}, -inf rows ok {inf_ok} -> {'OK' if ok else 'FAIL'}", flush=True)
     return rows
 
 
@@ -212,7 +315,12 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write rows as a JSON list")
     ap.add_argument("--verify", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--features", action="store_true", help="also time each score-side feature vs plain causal (fp16)")
+    ap.add_argument("--list-feature-variants", action="store_true", help="print the variants --features needs, then exit")
     args = ap.parse_args()
+    if args.list_feature_variants:
+        print(",".join(feature_variant_names(args.device)))
+        return 0
     dtypes = args.dtypes.split(",")
     repeat = args.repeat or (5 if args.device == "cpu" else 20)
     rng = np.random.default_rng()
@@ -267,6 +375,9 @@ def main() -> int:
             f"{r['sdpa_contig_ms']:.2f} | {r['ours_rate']:.3g} {r['unit']} | {r['baseline_rate']:.3g} | "
             f"{r['baseline_ms'] / r['ours_ms']:.2f}x |"
         )
+    if args.features:
+        print()
+        rows += bench_features(session, rng, "f16", repeat)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -149,9 +149,16 @@ def test_gpu_default_set_compiles(target):
     for v in gpu_default_set():
         isa = entries[v.name]["isa"]
         if target == "cuda":
-            if v.seqlen_q_tile > 1:
+            if v.seqlen_q_tile > 1 and not _per_head(v):
                 assert isa["mma_count"] > 0, v.name
             continue
         assert isa["spills"] == 0 and isa["scratch_bytes"] == 0, (v.name, isa)
-        if v.seqlen_q_tile > 1:
+        if v.seqlen_q_tile > 1 and not _per_head(v):
             assert isa["mfma_count"] > 0, (v.name, isa)
+
+
+def _per_head(v: Variant) -> bool:
+    # Variants with per-head score terms (ALiBi, a bias with a head axis)
+    # loop over query heads; IREE 3.13 gives those attention dispatches no
+    # MFMA/MMA configuration (docs/perf-notes.md). Correct, but slow.
+    return v.bias == "alibi" or (v.bias == "elementwise" and v.bias_shape[1] == "h")

@@ -187,8 +187,33 @@ GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 
 
+# Score-side features in the default sets (one feature at a time, plus
+# sinks with ALiBi): (bias, bias_shape, softcap, sinks).
+FEATURES = (
+    ("alibi", "", False, False),
+    ("elementwise", "11", False, False),
+    ("elementwise", "1h", False, False),
+    ("elementwise", "bh", False, False),
+    ("none", "", True, False),
+    ("none", "", False, True),
+    ("alibi", "", False, True),
+)
+
+
+def _feature_variants(dtype, page, mask, **tiles) -> list[Variant]:
+    return [
+        Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks, **tiles)
+        for bias, shape, softcap, sinks in FEATURES
+    ]
+
+
 def host_default_set() -> list[Variant]:
-    """The CPU set: explicit formulation, dynamic batch and query rows."""
+    """The CPU set: explicit formulation, dynamic batch and query rows.
+
+    Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
+    mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
+    page 16, with the causal masks.
+    """
     out = []
     for dtype in DTYPES:
         for hd in DEFAULT_HDIMS:
@@ -196,6 +221,9 @@ def host_default_set() -> list[Variant]:
                 for page in DEFAULT_PAGES:
                     for mask in MASKS:
                         out.append(Variant(dtype, hd, hd, nq, nk, page, mask))
+    for dtype in ("f16", "bf16"):
+        for mask in ("top_left", "bottom_right"):
+            out += _feature_variants(dtype, 16, mask)
     return out
 
 
@@ -203,7 +231,9 @@ def gpu_default_set() -> list[Variant]:
     """The GPU set: online formulation, decode and prefill buckets.
 
     Kept to the shapes services run (fp16/bf16, hdim 128, GQA 32/8, page 16
-    and 64); everything else is built on request with --variants.
+    and 64); everything else is built on request with --variants. Each
+    score-side feature comes for page 16 with the decode b8 tile (no mask)
+    and the prefill q128 tile (bottom-right mask).
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -213,4 +243,8 @@ def gpu_default_set() -> list[Variant]:
             for bt, mq in GPU_PREFILL_TILES:
                 for mask in ("none", "bottom_right"):
                     out.append(Variant(dtype, 128, 128, 32, 8, page, mask, formulation="online", batch_tile=bt, seqlen_q_tile=mq))
+        bt, mq = GPU_DECODE_TILE
+        out += _feature_variants(dtype, 16, "none", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
+        bt, mq = GPU_PREFILL_TILE
+        out += _feature_variants(dtype, 16, "bottom_right", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
     return out
