@@ -98,6 +98,7 @@ class Session:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self._lock = threading.RLock()
         self._loaded: dict[str, _Loaded] = {}
+        self.last_variant: Variant | None = None
         self._config = None
         self._index: dict[str, dict] = {}
         self._manifest_dirs: list[Path] = []
@@ -201,6 +202,8 @@ class Session:
         """One kernel call on validated, contiguous numpy arguments, in the
         kernel's order (see turbine_fmha.api.plan_calls)."""
         loaded = self._load(variant)
+        # Informational (which kernel served the latest call; not per thread).
+        self.last_variant = variant
         res = loaded.function(*args)
         out, lse = (r.to_host() for r in res)
         return out, lse
