@@ -131,7 +131,10 @@ def fmha_fwd_paged(
         unless the mask is top-left); with a causal mask ck_tile's VERTICAL
         form +slope * t (same output, different LSE).
       bias: [batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)] float,
-        added to the scaled scores (broadcast over size-1 axes).
+        added to the scaled scores (broadcast over size-1 axes). Passed to the
+        kernel as is when it is float32, C-contiguous and its key axis is
+        ceil(max(seqlen_k) / page_block_size) * page_block_size long; any
+        other bias is copied once per call (cast / padded).
       logits_soft_cap: cap > 0 turns the scaled score s into cap * tanh(s /
         cap) before bias/mask; 0 disables. Not with bias or alibi_slopes.
       sinks: [nhead_q] float32 attention-sink logits (gpt-oss style): each joins
