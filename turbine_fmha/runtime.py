@@ -101,7 +101,6 @@ class Session:
         self.last_variant: Variant | None = None
         self._config = None
         self._index: dict[str, dict] = {}
-        self._manifest_dirs: list[Path] = []
         self._read_manifest(self.artifact_dir)
         if compile_missing:
             self._read_manifest(self.cache_dir)
@@ -120,7 +119,6 @@ class Session:
         for a in artifacts:
             if a.get("target") == self.target.name:
                 self._index.setdefault(a["variant"], dict(a, _dir=str(directory)))
-        self._manifest_dirs.append(directory)
 
     def available_variants(self) -> list[Variant]:
         return [Variant.parse(n) for n in sorted(self._index)]
