@@ -34,7 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.api import KernelCall, _bf16, plan_calls  # noqa: E402
+from turbine_fmha.api import _bf16  # noqa: E402
+from turbine_fmha.plan import KernelCall, plan_calls  # noqa: E402
 from turbine_fmha.variants import UNBOUNDED, Variant  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
@@ -142,8 +143,9 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
     left, right = kw.get("window_size_left", -1), kw.get("window_size_right", -1)
     slopes = kw.get("alibi_slopes")
     call = KernelCall(
-        q=q, block_table=bt, seqlen_k=sk, scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0),
-        seqlen_q=shape["seqlen_q"], left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
+        q=q, block_table=bt, seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32), seqlen_k=sk,
+        kv_shift=np.zeros(shape["batch"], np.int32), scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0),
+        left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
         sink_size=kw.get("sink_size", 0),
         alibi_slopes=None if slopes is None else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),
         bias=kw.get("bias"), sinks=kw.get("sinks"),

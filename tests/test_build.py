@@ -152,7 +152,14 @@ def test_gpu_default_set_compiles(target):
             if v.seqlen_q_tile > 1 and not _per_head(v):
                 assert isa["mma_count"] > 0, v.name
             continue
-        assert isa["spills"] == 0 and isa["scratch_bytes"] == 0, (v.name, isa)
+        assert isa["scratch_bytes"] == 0, (v.name, isa)
+        if target == "gfx90a":
+            # gfx90a spills 18 SGPRs (into VGPR lanes, no scratch) in the
+            # small mask-producer dispatch since per-sequence seqlen_q and
+            # kv_shift inputs exist; recorded in docs/perf-notes.md.
+            assert all(k["vgpr_spill_count"] == 0 for k in isa["kernels"]), (v.name, isa)
+        else:
+            assert isa["spills"] == 0, (v.name, isa)
         if v.seqlen_q_tile > 1 and not _per_head(v):
             assert isa["mfma_count"] > 0, (v.name, isa)
 
@@ -161,4 +168,31 @@ def _per_head(v: Variant) -> bool:
     # Variants with per-head score terms (ALiBi, a bias with a head axis)
     # loop over query heads; IREE 3.13 gives those attention dispatches no
     # MFMA/MMA configuration (docs/perf-notes.md). Correct, but slow.
-    return v.bias == "alibi" or (v.bias == "elementwise" and v.bias_shape[1] == "h")
+    return v.per_head_terms
+
+
+GPU_FALLBACK = [
+    Variant("f16", 256, 256, 32, 8, 16, "bottom_right"),
+    Variant("bf16", 192, 128, 32, 8, 16, "none"),
+    Variant("f16", 128, 128, 32, 8, 1, "bottom_right", "alibi"),
+]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("target", ["gfx942", "gfx90a", "gfx950", "cuda"])
+def test_gpu_explicit_fallback_compiles(target):
+    """Problems the online kernels cannot serve (head dims > 128; per-head
+    terms with one-row pages) run the explicit formulation on GPUs too: it
+    must compile there (no MFMA and some spills: slow, but the kernel the CPU
+    tests execute)."""
+    out = CACHE / "gpu-fallback"
+    tfb.build(out, [target], GPU_FALLBACK)
+    m = json.loads((out / "manifest.json").read_text())
+    assert {a["variant"] for a in m["artifacts"] if a["target"] == target} == {v.name for v in GPU_FALLBACK}
+
+
+def test_stale_manifest_entries_are_ignored(built, tmp_path):
+    d = _copy(built, tmp_path)
+    _edit_manifest(d, lambda a: a.update(variant="pagedkv_fwd_f16_d256x256_h4x2_pg16_nmask_lse_online_b1_q128"))
+    s = turbine_fmha.Session("cpu", artifact_dir=d)
+    assert all(v.formulation == "explicit" for v in s.available_variants())

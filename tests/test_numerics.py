@@ -102,12 +102,12 @@ def test_long_prefill_chunked(explicit_session, rng, dtype):
     the score tile stays bounded; the mask must stay in absolute positions."""
     prob = make_problem(rng, dtype=dtype, batch=1, seqlen_q=1100, seqlens_k=[2000],
                         nhead_q=8, nhead_k=2, hdim=64, page=32)
-    import turbine_fmha.api as api
+    import turbine_fmha.plan as plan
 
-    old = api._SCORE_BYTES_BUDGET
-    api._SCORE_BYTES_BUDGET = 8 << 20  # force several chunks
+    old = plan.SCORE_BYTES_BUDGET
+    plan.SCORE_BYTES_BUDGET = 8 << 20  # force several chunks
     try:
         run_and_check(explicit_session, prob, dtype=dtype, mask_type="bottom_right",
                       window_size_left=-1, window_size_right=0)
     finally:
-        api._SCORE_BYTES_BUDGET = old
+        plan.SCORE_BYTES_BUDGET = old

@@ -1,27 +1,25 @@
 """Public entry point: `fmha_fwd_paged`.
 
 Validation happens here, in full, before any kernel is loaded or run; every
-error names the offending argument. The kernels see only contiguous arrays,
-a block table trimmed to the pages actually used, and resolved mask bounds.
+error names the offending argument. Every mode is brought to one batch-mode
+kernel call (turbine_fmha.plan): group mode pads query rows per sequence,
+gappy KV shifts block-table rows by whole pages and passes the remainder as
+kv_shift, and a non-paged cache is viewed as pages without copying.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 
 import numpy as np
 
+from .plan import KernelCall, plan_calls
 from .runtime import Session, default_session
-from .variants import UNBOUNDED, Variant
+from .variants import UNBOUNDED
 
 MASK_TYPES = ("none", "top_left", "bottom_right")
 DEVICES = ("cpu", "cuda", "hip")
-
-# The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
-# plus probabilities; query rows are chunked to keep that under this size.
-_SCORE_BYTES_BUDGET = 256 << 20
 
 
 def _bf16():
@@ -94,6 +92,10 @@ def fmha_fwd_paged(
     block_table,
     seqlen_k,
     *,
+    seqstart_q=None,
+    kv_offset=None,
+    min_seqlen_q=0,
+    out=None,
     scale=None,
     mask_type="none",
     window_size_left=-1,
@@ -107,20 +109,36 @@ def fmha_fwd_paged(
     device="cpu",
     session: Session | None = None,
 ):
-    """Paged-KV flash-attention forward (batch mode).
+    """Paged-KV flash-attention forward (ck_tile FmhaFwdPagedKVKernel).
+
+    Batch mode (seqstart_q None):
+      q: [batch, seqlen_q, nhead_q, hdim_q], float16 / bfloat16 / float32.
+      output [batch, seqlen_q, nhead_q, hdim_v]; LSE [batch, nhead_q, seqlen_q].
+    Group (varlen) mode:
+      q: [total_q, nhead_q, hdim_q] with seqstart_q [batch + 1] int32 (0, ...,
+      total_q, non-decreasing): sequence b owns rows seqstart_q[b]:seqstart_q[b+1].
+      Decode (1 row) and prefill sequences can share a call.
+      output [total_q, nhead_q, hdim_v]; LSE [nhead_q, total_q].
 
     Args:
-      q: [batch, seqlen_q, nhead_q, hdim_q], float16 / bfloat16 / float32.
-      k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype.
+      k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q.
       v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype.
-      block_table: [batch, max_pages_per_seq] int32. Key t of sequence b is row
-        t % page_block_size of page block_table[b, t // page_block_size].
-        Slots at or past ceil(seqlen_k[b] / page_block_size) are unused and may
-        hold anything (e.g. -1).
+      block_table: [batch, max_pages_per_seq] int32. Key t of sequence b is
+        table position p = kv_offset[b] + t: row p % page_block_size of page
+        block_table[b, p // page_block_size]. Slots holding no key are unused
+        and may hold anything (e.g. -1).
       seqlen_k: [batch] int32, keys per sequence (0 allowed).
+      kv_offset: [batch] int32 >= 0, gappy paged KV (ck_tile's kv_l2p_offset):
+        the first kv_offset[b] table positions are skipped. Mask and ALiBi
+        positions still count from t = 0. Default 0.
+      min_seqlen_q: group mode only: sequences with seqlen_q <= min_seqlen_q
+        are skipped (ck_tile's skip_min_seqlen_q). Their output rows are left
+        untouched in a caller-provided `out`, zero otherwise; their LSE is -inf.
+      out: optional C-contiguous numpy array of the output's shape and dtype
+        to write into (returned).
       scale: softmax scale, default 1/sqrt(hdim_q).
       mask_type: "none", "top_left" or "bottom_right" (ck_tile's generic mask;
-        bottom_right shifts the diagonal by seqlen_k - seqlen_q).
+        bottom_right shifts the diagonal by seqlen_k - seqlen_q per sequence).
       window_size_left / window_size_right: local window sides, -1 = unbounded.
         Causal is (-1, 0). Only with a mask_type other than "none".
       sink_size: StreamingLLM sink tokens: keys t < sink_size stay visible when
@@ -130,31 +148,35 @@ def fmha_fwd_paged(
         -slope * |i + shift - t| after scaling (shift = seqlen_k - seqlen_q
         unless the mask is top-left); with a causal mask ck_tile's VERTICAL
         form +slope * t (same output, different LSE).
-      bias: [batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)] float,
-        added to the scaled scores (broadcast over size-1 axes). Passed to the
-        kernel as is when it is float32, C-contiguous and its key axis is
-        ceil(max(seqlen_k) / page_block_size) * page_block_size long; any
-        other bias is copied once per call (cast / padded).
+      bias: batch mode [batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)];
+        group mode [nhead_q or 1, total_q, >= max(seqlen_k)]. Float, added to
+        the scaled scores (broadcast over size-1 axes). Passed to the kernel
+        as is when it is float32, C-contiguous and its key axis is
+        ceil(max(seqlen_k) / page_block_size) * page_block_size long in batch
+        mode; otherwise copied once per call (cast / padded / regrouped).
       logits_soft_cap: cap > 0 turns the scaled score s into cap * tanh(s /
         cap) before bias/mask; 0 disables. Not with bias or alibi_slopes.
       sinks: [nhead_q] float32 attention-sink logits (gpt-oss style): each joins
         its head's softmax denominator and contributes no value; LSE includes
         it, and a row without visible keys gets output 0 and LSE = sink.
-      return_lse: also return LSE [batch, nhead_q, seqlen_q] float32 (natural
-        log); -inf for rows with no visible key (whose output is 0).
+      return_lse: also return LSE (float32, natural log); -inf for rows with
+        no visible key (whose output is 0).
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
       session: a `Session` to run on (default: one shared per device).
 
-    Returns out [batch, seqlen_q, nhead_q, hdim_v] in q's dtype, or
-    (out, lse); numpy arrays, or torch tensors when q is a torch tensor.
-    Non-contiguous inputs are accepted (copied).
+    Returns out, or (out, lse); numpy arrays, or torch tensors when q is a
+    torch tensor. Non-contiguous inputs are accepted (copied).
     """
     as_torch = _is_torch(q)
     like = q
     q = _to_numpy(q, "q")
     k_cache = _to_numpy(k_cache, "k_cache")
     v_cache = _to_numpy(v_cache, "v_cache")
-    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    group = seqstart_q is not None
+    if q.ndim != (3 if group else 4):
+        what = "[total_q, nhead_q, hdim] with seqstart_q" if group else "[batch, seqlen_q, nhead_q, hdim]"
+        raise ValueError(f"q must have {3 if group else 4} dims {what}, got shape {q.shape}")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if a.ndim != 4:
             raise ValueError(f"{name} must have 4 dims, got shape {a.shape}")
     dt = _dtype_name(q.dtype)
@@ -163,7 +185,7 @@ def fmha_fwd_paged(
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if a.dtype != q.dtype:
             raise TypeError(f"{name} dtype {a.dtype} differs from q dtype {q.dtype}")
-    batch, seqlen_q, nhead_q, hdim_q = q.shape
+    nhead_q, hdim_q = q.shape[-2:]
     num_pages, page, nhead_k, hdim_k = k_cache.shape
     if hdim_k != hdim_q:
         raise ValueError(f"k_cache head dim {hdim_k} differs from q head dim {hdim_q}")
@@ -178,23 +200,49 @@ def fmha_fwd_paged(
     if num_pages < 1 or page < 1 or hdim_q < 1 or hdim_v < 1:
         raise ValueError(f"k_cache/v_cache must be non-empty, got {k_cache.shape} / {v_cache.shape}")
 
+    if group:
+        seqstart = _int_array(seqstart_q, "seqstart_q", 1).astype(np.int64)
+        total_q = q.shape[0]
+        if seqstart.shape[0] < 1 or seqstart[0] != 0:
+            raise ValueError(f"seqstart_q must start at 0 and have batch + 1 entries, got {seqstart.tolist()[:8]}")
+        if np.any(np.diff(seqstart) < 0):
+            raise ValueError("seqstart_q must be non-decreasing")
+        if seqstart[-1] != total_q:
+            raise ValueError(f"seqstart_q[-1] = {seqstart[-1]} must equal total_q = q.shape[0] = {total_q}")
+        batch = seqstart.shape[0] - 1
+        seqlens_q = np.diff(seqstart)
+    else:
+        batch = q.shape[0]
+        seqlens_q = np.full((batch,), q.shape[1], np.int64)
+
     block_table = _int_array(block_table, "block_table", 2)
-    seqlen_k = _int_array(seqlen_k, "seqlen_k", 1)
+    seqlen_k = _int_array(seqlen_k, "seqlen_k", 1).astype(np.int64)
     if block_table.shape[0] != batch:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows, q has batch {batch}")
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, expected batch = {batch}")
     if seqlen_k.shape[0] != batch:
-        raise ValueError(f"seqlen_k has {seqlen_k.shape[0]} entries, q has batch {batch}")
-    capacity = block_table.shape[1] * page
+        raise ValueError(f"seqlen_k has {seqlen_k.shape[0]} entries, expected batch = {batch}")
     if batch and seqlen_k.min() < 0:
         raise ValueError(f"seqlen_k must be >= 0, got {seqlen_k.min()}")
-    if batch and seqlen_k.max() > capacity:
-        b = int(np.argmax(seqlen_k))
+    if kv_offset is None:
+        offsets = np.zeros((batch,), np.int64)
+    else:
+        offsets = _int_array(kv_offset, "kv_offset", 1).astype(np.int64)
+        if offsets.shape[0] != batch:
+            raise ValueError(f"kv_offset has {offsets.shape[0]} entries, expected batch = {batch}")
+        if batch and offsets.min() < 0:
+            raise ValueError(f"kv_offset must be >= 0, got {offsets.min()}")
+    capacity = block_table.shape[1] * page
+    end = offsets + seqlen_k
+    if batch and end.max() > capacity:
+        b = int(np.argmax(end))
         raise ValueError(
-            f"seqlen_k[{b}] = {seqlen_k[b]} exceeds the block table capacity "
-            f"({block_table.shape[1]} pages x {page} = {capacity})"
+            f"seqlen_k[{b}] = {seqlen_k[b]}" + (f" + kv_offset[{b}] = {offsets[b]}" if kv_offset is not None else "")
+            + f" exceeds the block table capacity ({block_table.shape[1]} pages x {page} = {capacity})"
         )
-    pages_used = -(-seqlen_k.astype(np.int64) // page)
-    used = np.arange(block_table.shape[1])[None, :] < pages_used[:, None]
+    first_page = offsets // page
+    end_page = np.where(seqlen_k > 0, -(-end // page), first_page)
+    slots = np.arange(block_table.shape[1])[None, :]
+    used = (slots >= first_page[:, None]) & (slots < end_page[:, None])
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bad.any():
         b, j = map(int, np.argwhere(bad)[0])
@@ -217,6 +265,9 @@ def fmha_fwd_paged(
             "window_size_left/window_size_right/sink_size need mask_type 'top_left' or "
             f"'bottom_right' (got mask_type='none', windows ({left}, {right}), sink_size {sink_size})"
         )
+    min_seqlen_q = _check_int(min_seqlen_q, "min_seqlen_q", minimum=0)
+    if min_seqlen_q and not group:
+        raise ValueError("min_seqlen_q (skip_min_seqlen_q) needs group mode (seqstart_q)")
     cap = _check_float(logits_soft_cap, "logits_soft_cap")
     if cap < 0:
         raise ValueError(f"logits_soft_cap must be >= 0 (0 disables), got {cap}")
@@ -235,23 +286,24 @@ def fmha_fwd_paged(
                 f"alibi_slopes must have shape [nhead_q] = [{nhead_q}] or "
                 f"[batch, nhead_q] = [{batch}, {nhead_q}], got {list(slopes.shape)}"
             )
-        slopes = np.ascontiguousarray(np.broadcast_to(slopes, (batch, nhead_q)), np.float32)
-    bias_a = bias_shape = None
+        slopes = np.broadcast_to(slopes, (batch, nhead_q))
+    max_sk = int(seqlen_k.max()) if batch else 0
+    bias_a = None
     if bias is not None:
         bias_a = _float_array(bias, "bias")
-        max_sk = int(seqlen_k.max()) if batch else 0
-        if (
-            bias_a.ndim != 4
-            or bias_a.shape[0] not in (1, batch)
-            or bias_a.shape[1] not in (1, nhead_q)
-            or bias_a.shape[2] != seqlen_q
-            or bias_a.shape[3] < max_sk
-        ):
-            raise ValueError(
-                f"bias must have shape [batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)] = "
-                f"[{batch} or 1, {nhead_q} or 1, {seqlen_q}, >= {max_sk}], got {list(bias_a.shape)}"
+        if group:
+            ok = bias_a.ndim == 3 and bias_a.shape[0] in (1, nhead_q) and bias_a.shape[1] == q.shape[0]
+            want = f"[nhead_q or 1, total_q, >= max(seqlen_k)] = [{nhead_q} or 1, {q.shape[0]}, >= {max_sk}]"
+        else:
+            ok = (
+                bias_a.ndim == 4
+                and bias_a.shape[0] in (1, batch)
+                and bias_a.shape[1] in (1, nhead_q)
+                and bias_a.shape[2] == q.shape[1]
             )
-        bias_shape = ("b" if bias_a.shape[0] != 1 else "1") + ("h" if bias_a.shape[1] != 1 else "1")
+            want = f"[batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)] = [{batch} or 1, {nhead_q} or 1, {q.shape[1]}, >= {max_sk}]"
+        if not ok or bias_a.shape[-1] < max_sk:
+            raise ValueError(f"bias must have shape {want}, got {list(bias_a.shape)}")
     sinks_a = None
     if sinks is not None:
         sinks_a = _float_array(sinks, "sinks")
@@ -260,6 +312,14 @@ def fmha_fwd_paged(
         sinks_a = np.ascontiguousarray(sinks_a, np.float32)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out_shape = q.shape[:-1] + (hdim_v,)
+    if out is not None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+        if out.shape != out_shape or out.dtype != q.dtype:
+            raise ValueError(f"out must have shape {list(out_shape)} and dtype {q.dtype}, got {list(out.shape)} {out.dtype}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("out must be a writeable C-contiguous array")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if session is None:
@@ -269,9 +329,13 @@ def fmha_fwd_paged(
     elif session.device != device:
         raise ValueError(f"session is for device {session.device!r}, call asked for {device!r}")
 
-    out = np.empty((batch, seqlen_q, nhead_q, hdim_v), dtype=q.dtype)
-    lse = np.empty((batch, nhead_q, seqlen_q), dtype=np.float32)
-    if batch and seqlen_q:
+    # --- everything below runs only on validated arguments ---------------
+    if out is None:
+        out = np.zeros(out_shape, q.dtype) if min_seqlen_q else np.empty(out_shape, q.dtype)
+    lse = np.empty((batch, nhead_q, q.shape[1]) if not group else (nhead_q, q.shape[0]), np.float32)
+    lse.fill(-np.inf)
+    active = np.nonzero(seqlens_q > min_seqlen_q)[0] if group else np.arange(batch)
+    if active.size and seqlens_q[active].max() > 0:
         problem = dict(
             dtype=dt,
             hdim_q=hdim_q,
@@ -281,35 +345,115 @@ def fmha_fwd_paged(
             page_block_size=page,
             mask=mask_type,
             bias="alibi" if slopes is not None else ("elementwise" if bias_a is not None else "none"),
-            bias_shape=bias_shape or "",
+            bias_shape="",
             softcap=cap > 0,
             sinks=sinks_a is not None,
         )
-        variant = session.select(problem, seqlen_q, batch)
-        width = max(1, int(pages_used.max()))
+        rows = int(seqlens_q[active].max())
+        if group:
+            qb = np.zeros((active.size, rows) + q.shape[1:], q.dtype)
+            for i, b in enumerate(active):
+                qb[i, : seqlens_q[b]] = q[seqstart[b] : seqstart[b + 1]]
+        else:
+            qb = np.ascontiguousarray(q)
+        bias_b = None
+        if bias_a is not None:
+            if group:
+                bias_b = np.zeros((active.size, bias_a.shape[0], rows, bias_a.shape[2]), np.float32)
+                for i, b in enumerate(active):
+                    bias_b[i, :, : seqlens_q[b]] = bias_a[:, seqstart[b] : seqstart[b + 1]]
+            else:
+                bias_b = bias_a
+            problem["bias_shape"] = ("b" if bias_b.shape[0] != 1 else "1") + ("h" if bias_b.shape[1] != 1 else "1")
+        # Gappy KV: drop whole pages in front of each sequence's first key;
+        # the remainder (< page) is the kernel's kv_shift.
+        shift = (offsets - first_page * page)[active]
+        width = max(1, int((end_page - first_page)[active].max()))
+        bt = np.zeros((active.size, width), np.int32)
+        for i, b in enumerate(active):
+            n = int(end_page[b] - first_page[b])
+            bt[i, :n] = block_table[b, first_page[b] : end_page[b]]
+        variant = session.select(problem, rows, active.size)
         call = KernelCall(
-            q=np.ascontiguousarray(q),
-            block_table=np.ascontiguousarray(block_table[:, :width], dtype=np.int32),
-            seqlen_k=np.ascontiguousarray(seqlen_k, dtype=np.int32),
+            q=qb,
+            block_table=bt,
+            seqlen_q=seqlens_q[active].astype(np.int32),
+            seqlen_k=seqlen_k[active].astype(np.int32),
+            kv_shift=shift.astype(np.int32),
             scale=float(scale),
             softcap=cap,
-            seqlen_q=seqlen_q,
             left=UNBOUNDED if left < 0 else left,
             right=UNBOUNDED if right < 0 else right,
             sink_size=sink_size,
-            alibi_slopes=slopes,
-            bias=bias_a,
+            alibi_slopes=None if slopes is None else np.ascontiguousarray(slopes[active], np.float32),
+            bias=bias_b,
             sinks=sinks_a,
         )
         kc = np.ascontiguousarray(k_cache)
         vc = np.ascontiguousarray(v_cache)
+        if group:
+            out_b = np.empty((active.size, rows, nhead_q, hdim_v), q.dtype)
+            lse_b = np.empty((active.size, nhead_q, rows), np.float32)
+        else:
+            out_b, lse_b = out, lse
         for args, place in plan_calls(variant, call):
             o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
-            place(out, lse, o, l)
+            place(out_b, lse_b, o, l)
+        if group:
+            for i, b in enumerate(active):
+                s0, s1 = seqstart[b], seqstart[b + 1]
+                out[s0:s1] = out_b[i, : s1 - s0]
+                lse[:, s0:s1] = lse_b[i, :, : s1 - s0]
     if as_torch:
         out_t = _from_numpy(out, like)
         return (out_t, _from_numpy(lse, like)) if return_lse else out_t
     return (out, lse) if return_lse else out
+
+
+def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **kwargs):
+    """Attention over a non-paged KV cache (ck_tile's non-paged kvcache mode).
+
+    Args:
+      k_cache: [batch_cache, max_seqlen_k, nhead_k, hdim_q]; v_cache likewise
+        with hdim_v. Sequence b reads cache row cache_batch_idx[b] (default b).
+      seqlen_k: [batch] int32 <= max_seqlen_k.
+      cache_batch_idx: optional [batch] int32 in [0, batch_cache).
+      Everything else as fmha_fwd_paged (batch or group mode, masks, ALiBi,
+      bias, soft-cap, sinks, LSE, out, session).
+
+    The cache is viewed, without copying, as pages of the largest of 128, 64,
+    32, 16 and 1 rows that divides max_seqlen_k, and run by the paged kernels.
+    """
+    k_np = _to_numpy(k_cache, "k_cache")
+    v_np = _to_numpy(v_cache, "v_cache")
+    for name, a in (("k_cache", k_np), ("v_cache", v_np)):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have 4 dims [batch_cache, max_seqlen_k, nhead_k, hdim], got shape {a.shape}")
+    if v_np.shape[:3] != k_np.shape[:3]:
+        raise ValueError(f"v_cache shape {v_np.shape} must match k_cache {k_np.shape} in its first 3 dims")
+    batch_cache, max_sk = k_np.shape[:2]
+    sk = _int_array(seqlen_k, "seqlen_k", 1)
+    batch = sk.shape[0]
+    if batch and (sk.max() > max_sk or sk.min() < 0):
+        b = int(np.argmax(sk)) if sk.max() > max_sk else int(np.argmin(sk))
+        raise ValueError(f"seqlen_k[{b}] = {sk[b]} must be in [0, max_seqlen_k = {max_sk}]")
+    if cache_batch_idx is None:
+        if batch > batch_cache:
+            raise ValueError(f"batch {batch} exceeds the cache's {batch_cache} rows; pass cache_batch_idx")
+        rows_idx = np.arange(batch)
+    else:
+        rows_idx = _int_array(cache_batch_idx, "cache_batch_idx", 1).astype(np.int64)
+        if rows_idx.shape[0] != batch:
+            raise ValueError(f"cache_batch_idx has {rows_idx.shape[0]} entries, expected batch = {batch}")
+        if batch and (rows_idx.min() < 0 or rows_idx.max() >= batch_cache):
+            b = int(np.argmax((rows_idx < 0) | (rows_idx >= batch_cache)))
+            raise ValueError(f"cache_batch_idx[{b}] = {rows_idx[b]} is not a cache row in [0, {batch_cache})")
+    page = next(p for p in (128, 64, 32, 16, 1) if max_sk % p == 0) if max_sk else 1
+    per_row = max(1, max_sk // page)
+    k_pages = np.ascontiguousarray(k_np).reshape(batch_cache * per_row, page, *k_np.shape[2:]) if max_sk else k_np.reshape(batch_cache, 1, *k_np.shape[2:])
+    v_pages = np.ascontiguousarray(v_np).reshape(batch_cache * per_row, page, *v_np.shape[2:]) if max_sk else v_np.reshape(batch_cache, 1, *v_np.shape[2:])
+    block_table = (rows_idx[:, None] * per_row + np.arange(per_row)[None, :]).astype(np.int32)
+    return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 
 
 def _check_float(value, name: str) -> float:
@@ -323,114 +467,3 @@ def _float_array(x, name: str) -> np.ndarray:
     if not np.issubdtype(a.dtype, np.floating) and a.dtype != _bf16():
         raise TypeError(f"{name} must be a float array, got {a.dtype}")
     return a.astype(np.float32, copy=False)
-
-
-@dataclasses.dataclass
-class KernelCall:
-    """One validated call, in the form the kernels take."""
-
-    q: np.ndarray
-    block_table: np.ndarray
-    seqlen_k: np.ndarray
-    scale: float
-    softcap: float
-    seqlen_q: int
-    left: int
-    right: int
-    sink_size: int
-    alibi_slopes: np.ndarray | None
-    bias: np.ndarray | None
-    sinks: np.ndarray | None
-
-
-def plan_calls(variant: Variant, c: KernelCall):
-    """Splits one validated call into kernel calls.
-
-    Yields (args, place): args are the kernel arguments without the caches
-    (q, block_table, seqlen_k, fparams, iparams, then alibi_slopes / bias /
-    sinks where the variant has them), and place(out, lse, o, l) copies a
-    call's results into the full outputs. Explicit variants chunk query rows
-    to bound the score tile; static (online) variants pad the batch (seqlen_k
-    0, page 0) and query rows (zeros; their outputs are dropped) up to the
-    variant's tiles.
-    """
-    q, bt, sk = c.q, c.block_table, c.seqlen_k
-    batch, seqlen_q = q.shape[0], c.seqlen_q
-    nk = bt.shape[1] * variant.page_block_size
-    fparams = np.array([c.scale, c.softcap], np.float32)
-    bias = c.bias
-    if bias is not None and bias.shape[3] != nk:
-        # The kernel reads keys up to the table width; keys past seqlen_k are
-        # masked, so the padding value does not matter.
-        padded = np.zeros(bias.shape[:3] + (nk,), np.float32)
-        n = min(nk, bias.shape[3])
-        padded[..., :n] = bias[..., :n]
-        bias = padded
-
-    def iparams(s):
-        return np.array([s, seqlen_q, c.left, c.right, c.sink_size], np.int32)
-
-    def extras(b0, b1, s, e, bt_pad=None, mq=None):
-        out = []
-        if c.alibi_slopes is not None:
-            a = c.alibi_slopes[b0:b1]
-            if bt_pad:
-                a = _pad_rows(a, bt_pad)
-            out.append(np.ascontiguousarray(a))
-        if bias is not None:
-            bb = bias[b0:b1] if bias.shape[0] != 1 else bias
-            bb = bb[:, :, s:e]
-            if bt_pad:
-                if bias.shape[0] != 1:
-                    bb = _pad_rows(bb, bt_pad)
-                bb = _pad_axis(bb, 2, mq)
-            out.append(np.ascontiguousarray(bb))
-        if c.sinks is not None:
-            out.append(c.sinks)
-        return out
-
-    if variant.formulation == "explicit":
-        per_row = batch * q.shape[2] * nk * (4 + q.itemsize)
-        chunk = max(1, _SCORE_BYTES_BUDGET // max(1, per_row))
-        for s in range(0, seqlen_q, chunk):
-            e = min(seqlen_q, s + chunk)
-
-            def place(out, lse, o, l, s=s, e=e):
-                out[:, s:e] = o
-                lse[:, :, s:e] = l
-
-            args = [np.ascontiguousarray(q[:, s:e]), bt, sk, fparams, iparams(s)]
-            yield args + extras(0, batch, s, e), place
-        return
-    bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
-    for b0 in range(0, batch, bt_t):
-        b1 = min(batch, b0 + bt_t)
-        nb = b1 - b0
-        bt_pad = _pad_rows(bt[b0:b1], bt_t)
-        sk_pad = _pad_rows(sk[b0:b1], bt_t)
-        for s in range(0, seqlen_q, mq):
-            e = min(seqlen_q, s + mq)
-            q_pad = _pad_axis(_pad_rows(q[b0:b1, s:e], bt_t), 1, mq)
-
-            def place(out, lse, o, l, b0=b0, b1=b1, nb=nb, s=s, e=e):
-                out[b0:b1, s:e] = o[:nb, : e - s]
-                lse[b0:b1, :, s:e] = l[:nb, :, : e - s]
-
-            args = [q_pad, bt_pad, sk_pad, fparams, iparams(s)]
-            yield args + extras(b0, b1, s, e, bt_t, mq), place
-
-
-def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
-    return _pad_axis(a, 0, n)
-
-
-def _pad_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
-    if a.shape[axis] == n:
-        return np.ascontiguousarray(a)
-    shape = list(a.shape)
-    shape[axis] = n
-    out = np.zeros(shape, a.dtype)
-    idx = [slice(None)] * a.ndim
-    idx[axis] = slice(0, a.shape[axis])
-    out[tuple(idx)] = a
-    return out

@@ -66,15 +66,19 @@ _TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float
 _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 # The argument list shared by both formulations (see the templates):
-#   fparams = [scale, logits_soft_cap]            (f32)
-#   iparams = [q_start, seqlen_q, window_left, window_right, sink_size] (i32)
+#   seqlen_q, seqlen_k, kv_shift: [batch] int32 (kv_shift: gappy KV, key t
+#     of sequence b is gathered row kv_shift[b] + t)
+#   fparams = [scale, logits_soft_cap]                      (f32)
+#   iparams = [q_start, window_left, window_right, sink_size] (i32)
 #   alibi_slopes [batch, nhead_q] f32, bias [b|1, h|1, rows, keys] f32 and
 #   sinks [nhead_q] f32 are present only in variants that use them.
 _SIGNATURE_ARGS = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-    "Tensor seqlen_k, Tensor fparams, Tensor iparams, Tensor? alibi_slopes, "
-    "Tensor? bias, Tensor? sinks, str mask, int softcap"
+    "Tensor seqlen_q, Tensor seqlen_k, Tensor kv_shift, Tensor fparams, Tensor iparams, "
+    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap"
 )
+_N_FIXED = 9  # tensors every variant takes
+_OPTIONAL = (9, 10, 11)  # alibi_slopes, bias, sinks
 
 
 class _PagedKVFwd(CustomOp):
@@ -83,10 +87,10 @@ class _PagedKVFwd(CustomOp):
     static_rows: bool = False
 
     def select(self, ksel: KernelSelection):
-        q, kc, vc, bt, sk, fparams, iparams = (ksel.arg_tensor(i) for i in range(7))
-        alibi, bias, sinks = (ksel.arg_optional_tensor(i) for i in (7, 8, 9))
-        ksel.attr_str(10)
-        ksel.attr_int(11)
+        q, kc, vc, bt, sq_t, sk_t, ks_t, fparams, iparams = (ksel.arg_tensor(i) for i in range(_N_FIXED))
+        alibi, bias, sinks = (ksel.arg_optional_tensor(i) for i in _OPTIONAL)
+        ksel.attr_str(12)
+        ksel.attr_int(13)
         torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
         torch._check(kc.t.dtype == q.t.dtype and vc.t.dtype == q.t.dtype, lambda: "dtype mismatch")
         torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
@@ -109,7 +113,8 @@ class _PagedKVFwd(CustomOp):
         if self.static_rows:
             q.specialize_dims(0, 1)
             bt.specialize_dims(0)
-            sk.specialize_all_dims()
+            for per_batch in (sq_t, sk_t, ks_t):
+                per_batch.specialize_all_dims()
             if alibi is not None:
                 alibi.specialize_all_dims()
             if bias is not None:
@@ -122,7 +127,7 @@ class _PagedKVFwd(CustomOp):
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         q, kc, vc = (ksel.arg_descs[i].t for i in range(3))
-        alibi, bias, sinks = (ksel.arg_descs[i].maybe_tensor_value for i in (7, 8, 9))
+        alibi, bias, sinks = (ksel.arg_descs[i].maybe_tensor_value for i in _OPTIONAL)
         p = dict(
             dt=_DTYPE_NAME[q.dtype],
             HQ=q.shape[2],
@@ -130,8 +135,8 @@ class _PagedKVFwd(CustomOp):
             D=q.shape[3],
             DV=vc.shape[3],
             PAGE=kc.shape[1],
-            mask=ksel.arg_descs[10].v,
-            SOFTCAP=bool(ksel.arg_descs[11].v),
+            mask=ksel.arg_descs[12].v,
+            SOFTCAP=bool(ksel.arg_descs[13].v),
             ALIBI=alibi is not None,
             BIAS_SHAPE=_bias_shape(bias),
             SINKS=sinks is not None,
@@ -155,7 +160,7 @@ class _PagedKVFwd(CustomOp):
         # Absent optional tensors are not kernel arguments, and the builder
         # numbers only the arguments that are present.
         n_optional = sum(t is not None for t in (alibi, bias, sinks))
-        args = [kb.arg_value(i) for i in range(7 + n_optional)]
+        args = [kb.arg_value(i) for i in range(_N_FIXED + n_optional)]
         kb.yield_results(*call_function(func, *args))
 
 
@@ -214,8 +219,10 @@ def example_args(v: Variant) -> list:
         t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt),
         t(b, 2, dtype=torch.int32),
         t(b, dtype=torch.int32),
+        t(b, dtype=torch.int32),
+        t(b, dtype=torch.int32),
         t(2),
-        t(5, dtype=torch.int32),
+        t(4, dtype=torch.int32),
         t(b, v.nhead_q) if v.bias == "alibi" else None,
         bias,
         t(v.nhead_q) if v.sinks else None,

@@ -73,12 +73,12 @@ def alibi_bias(slope: float, seqlen_q: int, seqlen_k: int, mask_type: str, windo
     return -slope * np.abs(i + shift - t).astype(np.float64)
 
 
-def gather_pages(cache: np.ndarray, pages: np.ndarray, seqlen: int) -> np.ndarray:
-    """Rows 0..seqlen-1 of a sequence whose pages are `pages` (in order)."""
+def gather_pages(cache: np.ndarray, pages: np.ndarray, seqlen: int, offset: int = 0) -> np.ndarray:
+    """Keys 0..seqlen-1 of a sequence whose pages are `pages` (in order): key
+    t is table position offset + t (offset > 0: gappy KV)."""
     page = cache.shape[1]
-    n_used = -(-seqlen // page)
-    rows = cache[pages[:n_used]].reshape(n_used * page, *cache.shape[2:])
-    return rows[:seqlen]
+    pos = offset + np.arange(seqlen)
+    return cache[pages[pos // page], pos % page] if seqlen else cache[:0, 0]
 
 
 def fmha_fwd_paged_ref(
@@ -97,8 +97,39 @@ def fmha_fwd_paged_ref(
     bias=None,
     logits_soft_cap=0.0,
     sinks=None,
+    seqstart_q=None,
+    kv_offset=None,
 ):
-    """Returns (out [b, sq, hq, dv] float64, lse [b, hq, sq] float64)."""
+    """Batch mode: (out [b, sq, hq, dv], lse [b, hq, sq]), float64.
+
+    Group mode (seqstart_q given, q [total_q, hq, d]): each sequence is
+    computed on its own rows, giving (out [total_q, hq, dv], lse [hq,
+    total_q]); bias is then [hq or 1, total_q, keys]. kv_offset: key t of
+    sequence b is table position kv_offset[b] + t.
+    """
+    kw = dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
+              window_size_right=window_size_right, sink_size=sink_size,
+              logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if seqstart_q is not None:
+        q = np.asarray(q, dtype=np.float64)
+        total_q, hq = q.shape[:2]
+        out = np.zeros((total_q, hq, np.asarray(v_cache).shape[3]))
+        lse = np.full((hq, total_q), -np.inf)
+        for b in range(len(seqstart_q) - 1):
+            s0, s1 = int(seqstart_q[b]), int(seqstart_q[b + 1])
+            if s1 == s0:
+                continue
+            o, l = fmha_fwd_paged_ref(
+                q[None, s0:s1], k_cache, v_cache, np.asarray(block_table)[b : b + 1],
+                np.asarray(seqlen_k)[b : b + 1],
+                alibi_slopes=None if alibi_slopes is None else np.broadcast_to(alibi_slopes, (len(seqstart_q) - 1, hq))[b],
+                bias=None if bias is None else np.asarray(bias)[None, :, s0:s1],
+                kv_offset=None if kv_offset is None else np.asarray(kv_offset)[b : b + 1],
+                **kw,
+            )
+            out[s0:s1] = o[0]
+            lse[:, s0:s1] = l[0]
+        return out, lse
     q = np.asarray(q, dtype=np.float64)
     k_cache = np.asarray(k_cache, dtype=np.float64)
     v_cache = np.asarray(v_cache, dtype=np.float64)
@@ -120,8 +151,9 @@ def fmha_fwd_paged_ref(
     lse = np.full((b, hq, sq), -np.inf)
     for bi in range(b):
         sk = int(seqlen_k[bi])
-        k = gather_pages(k_cache, block_table[bi], sk)  # [sk, hk, d]
-        v = gather_pages(v_cache, block_table[bi], sk)
+        off = 0 if kv_offset is None else int(kv_offset[bi])
+        k = gather_pages(k_cache, block_table[bi], sk, off)  # [sk, hk, d]
+        v = gather_pages(v_cache, block_table[bi], sk, off)
         vis = visible_mask(sq, sk, mask_type, window_size_left, window_size_right, sink_size)
         for h in range(hq):
             s = scale * (q[bi, :, h, :] @ k[:, h // group, :].T)  # [sq, sk]

@@ -117,8 +117,15 @@ class Session:
         except (ValueError, KeyError, TypeError) as e:
             raise ArtifactError(f"unreadable manifest {path}: {e}") from None
         for a in artifacts:
-            if a.get("target") == self.target.name:
-                self._index.setdefault(a["variant"], dict(a, _dir=str(directory)))
+            if a.get("target") != self.target.name:
+                continue
+            try:
+                Variant.parse(a["variant"])
+            except (KeyError, ValueError):
+                # Built by an older version whose variant rules allowed it
+                # (e.g. an online kernel since found to be wrong): never load.
+                continue
+            self._index.setdefault(a["variant"], dict(a, _dir=str(directory)))
 
     def available_variants(self) -> list[Variant]:
         return [Variant.parse(n) for n in sorted(self._index)]
@@ -210,10 +217,11 @@ class Session:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem); among static (online) variants, the one that pads
         least, then the one with the fewest launches."""
+        formulation = self._formulation_for(problem)
         cands = [
             v
             for v in (Variant.parse(n) for n in self._index)
-            if v.problem == problem and v.formulation == self.formulation
+            if v.problem == problem and v.formulation == formulation
         ]
         if not cands and self.compile_missing:
             return self._default_variant_for(problem, seqlen_q)
@@ -237,8 +245,17 @@ class Session:
 
         return min(cands, key=cost)
 
+    def _formulation_for(self, problem: dict) -> str:
+        """The session's formulation, unless the online one cannot serve the
+        problem (variants.online_unsupported): then the explicit one."""
+        from .variants import online_unsupported
+
+        if self.formulation == "online" and online_unsupported(problem):
+            return "explicit"
+        return self.formulation
+
     def _default_variant_for(self, problem: dict, seqlen_q: int) -> Variant:
-        if self.formulation == "explicit":
+        if self._formulation_for(problem) == "explicit":
             return Variant(**problem)
         from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE
 

@@ -95,8 +95,17 @@ class Variant:
         static = self.batch_tile > 0 and self.seqlen_q_tile > 0
         if self.formulation == "online" and not static:
             raise ValueError("online variants need batch_tile and seqlen_q_tile > 0")
+        if self.formulation == "online":
+            reason = online_unsupported(self.problem)
+            if reason:
+                raise ValueError(f"the online formulation cannot serve this variant: {reason}")
         if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
             raise ValueError("explicit variants have dynamic batch and query rows")
+
+    @property
+    def per_head_terms(self) -> bool:
+        """ALiBi or a bias with a head axis: per-head score terms."""
+        return self.bias == "alibi" or (self.bias == "elementwise" and self.bias_shape[1] == "h")
 
     @property
     def group_size(self) -> int:
@@ -153,6 +162,25 @@ class Variant:
     def problem(self) -> dict:
         """The fields a call must match exactly (all but lse and tiling)."""
         return {f: getattr(self, f) for f in PROBLEM_FIELDS}
+
+
+def online_unsupported(problem: dict) -> str | None:
+    """Why the online (GPU) formulation cannot serve `problem`, or None.
+
+    The runtime then runs the explicit formulation instead (on any target):
+    slower on GPUs, but the same kernel the CPU tests execute.
+    """
+    if problem["hdim_q"] > 128 or problem["hdim_v"] > 128:
+        # IREE 3.13's online_attention gave wrong results (rel err ~1) on the
+        # CPU for head dims 160, 192/128 and 256; 128 and below are right.
+        return f"head dims {problem['hdim_q']}/{problem['hdim_v']} > 128 compute wrong results in IREE 3.13"
+    per_head = problem["bias"] == "alibi" or (problem["bias"] == "elementwise" and problem["bias_shape"][1] == "h")
+    if per_head and problem["page_block_size"] == 1:
+        # The per-head loop with one-row pages fails to compile on every
+        # target ("write affecting operations on global resources are
+        # restricted to workgroup distributed contexts").
+        return "ALiBi or a per-head bias with page_block_size 1 fails to compile in IREE 3.13"
+    return None
 
 
 PROBLEM_FIELDS = (
