@@ -255,3 +255,27 @@ def test_online_per_head_terms_with_one_row_pages_fall_back(online_session, rng)
     assert online_session.last_variant.formulation == "explicit"
     with pytest.raises(ValueError, match="page_block_size 1"):
         turbine_fmha.Variant("f16", 64, 64, 8, 2, 1, "none", "alibi", formulation="online", batch_tile=1, seqlen_q_tile=1)
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+@pytest.mark.parametrize("page,dv", [(16, 64), (1, 32), (64, 64)])
+def test_column_major_v(sessions, rng, formulation, page, dv):
+    seqlens_q, seqlens_k = [1, 23, 4], [70, 23, 0]
+    q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k, d=64, dv=dv, page=page)
+    v_col = np.ascontiguousarray(v.transpose(0, 2, 3, 1))  # [pages, nhead_k, hdim_v, page]
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v_col, bt, sk, seqstart_q=seqstart, v_layout="col",
+                                          return_lse=True, session=sessions[formulation], **kw)
+    assert sessions[formulation].last_variant.v_layout == "col"
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v_col, bt, sk, seqstart_q=seqstart, v_layout="col", **kw)
+    _check(out, lse, ref, ref_lse, "f16")
+
+
+def test_bad_v_layout(tmp_path):
+    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
+    with pytest.raises(ValueError, match="v_layout"):
+        _call_group(s, v_layout="columns")
+    rng = np.random.default_rng(0)
+    q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", [2, 3], [20, 5], nq=4)
+    with pytest.raises(ValueError, match="v_cache"):  # row-major cache passed as col
+        turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, v_layout="col", session=s)

@@ -105,6 +105,7 @@ def fmha_fwd_paged(
     bias=None,
     logits_soft_cap=0.0,
     sinks=None,
+    v_layout="row",
     return_lse=False,
     device="cpu",
     session: Session | None = None,
@@ -122,7 +123,8 @@ def fmha_fwd_paged(
 
     Args:
       k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q.
-      v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype.
+      v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype; with
+        v_layout="col", [num_pages, nhead_k, hdim_v, page_block_size].
       block_table: [batch, max_pages_per_seq] int32. Key t of sequence b is
         table position p = kv_offset[b] + t: row p % page_block_size of page
         block_table[b, p // page_block_size]. Slots holding no key are unused
@@ -189,12 +191,19 @@ def fmha_fwd_paged(
     num_pages, page, nhead_k, hdim_k = k_cache.shape
     if hdim_k != hdim_q:
         raise ValueError(f"k_cache head dim {hdim_k} differs from q head dim {hdim_q}")
-    if v_cache.shape[:3] != k_cache.shape[:3]:
+    if v_layout not in ("row", "col"):
+        raise ValueError(f"v_layout must be 'row' or 'col', got {v_layout!r}")
+    if v_layout == "row":
+        v_ok, hdim_v = v_cache.shape[:3] == k_cache.shape[:3], v_cache.shape[3]
+        v_want = "[num_pages, page_block_size, nhead_k, hdim_v]"
+    else:
+        v_ok = (v_cache.shape[0], v_cache.shape[1], v_cache.shape[3]) == (num_pages, nhead_k, page)
+        hdim_v = v_cache.shape[2]
+        v_want = "[num_pages, nhead_k, hdim_v, page_block_size] (v_layout='col')"
+    if not v_ok:
         raise ValueError(
-            f"v_cache shape {v_cache.shape} must match k_cache {k_cache.shape} "
-            "in num_pages, page_block_size and nhead_k"
+            f"v_cache shape {v_cache.shape} must be {v_want} matching k_cache {k_cache.shape}"
         )
-    hdim_v = v_cache.shape[3]
     if nhead_k == 0 or nhead_q % nhead_k:
         raise ValueError(f"nhead_q ({nhead_q}) must be a multiple of nhead_k ({nhead_k})")
     if num_pages < 1 or page < 1 or hdim_q < 1 or hdim_v < 1:
@@ -348,6 +357,7 @@ def fmha_fwd_paged(
             bias_shape="",
             softcap=cap > 0,
             sinks=sinks_a is not None,
+            v_layout=v_layout,
         )
         rows = int(seqlens_q[active].max())
         if group:
@@ -424,6 +434,8 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
     The cache is viewed, without copying, as pages of the largest of 128, 64,
     32, 16 and 1 rows that divides max_seqlen_k, and run by the paged kernels.
     """
+    if kwargs.get("v_layout", "row") != "row":
+        raise ValueError("v_layout='col' is supported for paged caches only (fmha_fwd_paged)")
     k_np = _to_numpy(k_cache, "k_cache")
     v_np = _to_numpy(v_cache, "v_cache")
     for name, a in (("k_cache", k_np), ("v_cache", v_np)):

@@ -75,7 +75,7 @@ _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 _SIGNATURE_ARGS = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor seqlen_q, Tensor seqlen_k, Tensor kv_shift, Tensor fparams, Tensor iparams, "
-    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap"
+    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout"
 )
 _N_FIXED = 9  # tensors every variant takes
 _OPTIONAL = (9, 10, 11)  # alibi_slopes, bias, sinks
@@ -91,6 +91,7 @@ class _PagedKVFwd(CustomOp):
         alibi, bias, sinks = (ksel.arg_optional_tensor(i) for i in _OPTIONAL)
         ksel.attr_str(12)
         ksel.attr_int(13)
+        ksel.attr_str(14)
         torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
         torch._check(kc.t.dtype == q.t.dtype and vc.t.dtype == q.t.dtype, lambda: "dtype mismatch")
         torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
@@ -108,7 +109,8 @@ class _PagedKVFwd(CustomOp):
         if sinks is not None:
             sinks.specialize_all_dims()
         b, sq, hq, _ = q.t.shape
-        out = ksel.return_new_tensor([b, sq, hq, vc.t.shape[3]], q.t.dtype)
+        dv = vc.t.shape[2] if ksel.arg_descs[14].v == "col" else vc.t.shape[3]
+        out = ksel.return_new_tensor([b, sq, hq, dv], q.t.dtype)
         lse = ksel.return_new_tensor([b, hq, sq], torch.float32)
         if self.static_rows:
             q.specialize_dims(0, 1)
@@ -133,7 +135,8 @@ class _PagedKVFwd(CustomOp):
             HQ=q.shape[2],
             HK=kc.shape[2],
             D=q.shape[3],
-            DV=vc.shape[3],
+            DV=vc.shape[2] if ksel.arg_descs[14].v == "col" else vc.shape[3],
+            VCOL=ksel.arg_descs[14].v == "col",
             PAGE=kc.shape[1],
             mask=ksel.arg_descs[12].v,
             SOFTCAP=bool(ksel.arg_descs[13].v),
@@ -151,6 +154,7 @@ class _PagedKVFwd(CustomOp):
             + (f"_bias{p['BIAS_SHAPE']}" if p["BIAS_SHAPE"] else "")
             + ("_softcap" if p["SOFTCAP"] else "")
             + ("_sink" if p["SINKS"] else "")
+            + ("_vcol" if p["VCOL"] else "")
         )
         if self.static_rows:
             func_name += f"_b{p['BT']}_q{p['MQ']}"
@@ -216,7 +220,9 @@ def example_args(v: Variant) -> list:
     return [
         t(b, sq, v.nhead_q, v.hdim_q, dtype=dt),
         t(2, v.page_block_size, v.nhead_k, v.hdim_q, dtype=dt),
-        t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt),
+        t(2, v.nhead_k, v.hdim_v, v.page_block_size, dtype=dt)
+        if v.v_layout == "col"
+        else t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt),
         t(b, 2, dtype=torch.int32),
         t(b, dtype=torch.int32),
         t(b, dtype=torch.int32),
@@ -228,6 +234,7 @@ def example_args(v: Variant) -> list:
         t(v.nhead_q) if v.sinks else None,
         v.mask,
         int(v.softcap),
+        v.v_layout,
     ]
 
 

@@ -99,6 +99,7 @@ def fmha_fwd_paged_ref(
     sinks=None,
     seqstart_q=None,
     kv_offset=None,
+    v_layout="row",
 ):
     """Batch mode: (out [b, sq, hq, dv], lse [b, hq, sq]), float64.
 
@@ -107,6 +108,8 @@ def fmha_fwd_paged_ref(
     total_q]); bias is then [hq or 1, total_q, keys]. kv_offset: key t of
     sequence b is table position kv_offset[b] + t.
     """
+    if v_layout == "col":  # [pages, nhead_k, hdim_v, page] -> row-major
+        v_cache = np.asarray(v_cache).transpose(0, 3, 1, 2)
     kw = dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
               window_size_right=window_size_right, sink_size=sink_size,
               logits_soft_cap=logits_soft_cap, sinks=sinks)

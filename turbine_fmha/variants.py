@@ -25,6 +25,7 @@ BIASES = ("none", "alibi", "elementwise")
 # [1, 1, sq, sk], "b1" [batch, 1, sq, sk], "1h" [1, nhead_q, sq, sk], "bh" full.
 BIAS_SHAPES = ("11", "b1", "1h", "bh")
 FORMULATIONS = ("explicit", "online")
+V_LAYOUTS = ("row", "col")
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
@@ -38,7 +39,7 @@ _NAME_RE = re.compile(
     r"^pagedkv_fwd_(?P<dtype>f16|bf16|f32)"
     r"_d(?P<hdim_q>\d+)x(?P<hdim_v>\d+)"
     r"_h(?P<nhead_q>\d+)x(?P<nhead_k>\d+)"
-    r"_pg(?P<page>\d+)"
+    r"_pg(?P<page>\d+)(?P<vcol>_vcol)?"
     r"_(?P<mask>nmask|mtl|mbr)"
     r"(?:_(?P<bias>alibi|bias(?P<bias_shape>11|b1|1h|bh)))?"
     r"(?P<softcap>_softcap)?"
@@ -62,6 +63,9 @@ class Variant:
     bias_shape: str = ""
     softcap: bool = False
     sinks: bool = False
+    # V cache layout: "row" [pages, page, nhead_k, hdim_v] or "col"
+    # [pages, nhead_k, hdim_v, page] (ck_tile's column-major V).
+    v_layout: str = "row"
     lse: bool = True
     formulation: str = "explicit"
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
@@ -73,6 +77,8 @@ class Variant:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.v_layout not in V_LAYOUTS:
+            raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {self.v_layout!r}")
         if self.bias not in BIASES:
             raise ValueError(f"bias must be one of {BIASES}, got {self.bias!r}")
         if (self.bias == "elementwise") != (self.bias_shape in BIAS_SHAPES):
@@ -116,6 +122,7 @@ class Variant:
         s = (
             f"pagedkv_fwd_{self.dtype}_d{self.hdim_q}x{self.hdim_v}"
             f"_h{self.nhead_q}x{self.nhead_k}_pg{self.page_block_size}"
+            f"{'_vcol' if self.v_layout == 'col' else ''}"
             f"_{_MASK_TAG[self.mask]}"
         )
         if self.bias == "alibi":
@@ -149,6 +156,7 @@ class Variant:
             bias_shape=g["bias_shape"] or "",
             softcap=bool(g["softcap"]),
             sinks=bool(g["sinks"]),
+            v_layout="col" if g["vcol"] else "row",
             lse=g["lse"] == "lse",
             formulation=g["form"],
             batch_tile=int(g["bt"] or 0),
@@ -195,6 +203,7 @@ PROBLEM_FIELDS = (
     "bias_shape",
     "softcap",
     "sinks",
+    "v_layout",
 )
 
 
@@ -240,7 +249,7 @@ def host_default_set() -> list[Variant]:
 
     Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
     mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
-    page 16, with the causal masks.
+    page 16, with the causal masks, and column-major V.
     """
     out = []
     for dtype in DTYPES:
@@ -252,6 +261,8 @@ def host_default_set() -> list[Variant]:
     for dtype in ("f16", "bf16"):
         for mask in ("top_left", "bottom_right"):
             out += _feature_variants(dtype, 16, mask)
+        for mask in ("none", "bottom_right"):
+            out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col"))
     return out
 
 
@@ -275,4 +286,7 @@ def gpu_default_set() -> list[Variant]:
         out += _feature_variants(dtype, 16, "none", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
         bt, mq = GPU_PREFILL_TILE
         out += _feature_variants(dtype, 16, "bottom_right", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
+        for (bt, mq), mask in ((GPU_DECODE_TILE, "none"), (GPU_PREFILL_TILE, "bottom_right")):
+            out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col", formulation="online",
+                               batch_tile=bt, seqlen_q_tile=mq))
     return out
