@@ -38,6 +38,16 @@ def _dtype_name(dt: np.dtype) -> str | None:
     return None
 
 
+def _fp8_name(dt: np.dtype) -> str | None:
+    """ml_dtypes fp8 dtype -> variant kv_dtype name, or None."""
+    import ml_dtypes
+
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"):
+        if dt == np.dtype(getattr(ml_dtypes, name)):
+            return "f8" + name.split("_", 1)[1].replace("_", "")
+    return None
+
+
 def _is_torch(x) -> bool:
     t = type(x)
     return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
@@ -52,6 +62,11 @@ def _to_numpy(x, name: str):
             t = t.cpu()
         if t.dtype == torch.bfloat16:
             return t.contiguous().view(torch.int16).numpy().view(_bf16())
+        if "float8" in str(t.dtype):
+            import ml_dtypes
+
+            np_name = str(t.dtype).split(".")[-1]
+            return t.contiguous().view(torch.int8).numpy().view(getattr(ml_dtypes, np_name))
         return t.numpy()
     if isinstance(x, np.ndarray):
         return x
@@ -106,6 +121,8 @@ def fmha_fwd_paged(
     logits_soft_cap=0.0,
     sinks=None,
     v_layout="row",
+    k_scale=None,
+    v_scale=None,
     return_lse=False,
     device="cpu",
     session: Session | None = None,
@@ -125,6 +142,10 @@ def fmha_fwd_paged(
       k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q.
       v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype; with
         v_layout="col", [num_pages, nhead_k, hdim_v, page_block_size].
+        An fp8 KV cache (ml_dtypes/torch float8_e4m3fn, _e4m3fnuz, _e5m2,
+        _e5m2fnuz) goes with fp16/bf16 queries and per-tensor descales
+        k_scale / v_scale (true K = k_scale * K_fp8). CPU only for now: IREE
+        3.13 fails to compile the fp8 conversions for the GPU targets.
       block_table: [batch, max_pages_per_seq] int32. Key t of sequence b is
         table position p = kv_offset[b] + t: row p % page_block_size of page
         block_table[b, p // page_block_size]. Slots holding no key are unused
@@ -184,9 +205,28 @@ def fmha_fwd_paged(
     dt = _dtype_name(q.dtype)
     if dt is None:
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if a.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {a.dtype} differs from q dtype {q.dtype}")
+    kv_fp8 = _fp8_name(k_cache.dtype)
+    if kv_fp8:
+        if dt == "f32":
+            raise TypeError("an fp8 KV cache needs float16 or bfloat16 q")
+        if v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
+    else:
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if a.dtype != q.dtype:
+                raise TypeError(f"{name} dtype {a.dtype} differs from q dtype {q.dtype}")
+    descale = []
+    for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if val is None:
+            descale.append(1.0)
+            continue
+        if not kv_fp8:
+            raise ValueError(f"{name} is for fp8 KV caches only (k_cache is {k_cache.dtype})")
+        val = _check_float(val, name)
+        if val <= 0:
+            raise ValueError(f"{name} must be > 0, got {val}")
+        descale.append(val)
+    k_descale, v_descale = descale
     nhead_q, hdim_q = q.shape[-2:]
     num_pages, page, nhead_k, hdim_k = k_cache.shape
     if hdim_k != hdim_q:
@@ -358,6 +398,7 @@ def fmha_fwd_paged(
             softcap=cap > 0,
             sinks=sinks_a is not None,
             v_layout=v_layout,
+            kv_dtype=kv_fp8 or "",
         )
         rows = int(seqlens_q[active].max())
         if group:
@@ -390,8 +431,9 @@ def fmha_fwd_paged(
             seqlen_q=seqlens_q[active].astype(np.int32),
             seqlen_k=seqlen_k[active].astype(np.int32),
             kv_shift=shift.astype(np.int32),
-            scale=float(scale),
+            scale=float(scale) * k_descale,
             softcap=cap,
+            v_scale=v_descale,
             left=UNBOUNDED if left < 0 else left,
             right=UNBOUNDED if right < 0 else right,
             sink_size=sink_size,
@@ -401,6 +443,8 @@ def fmha_fwd_paged(
         )
         kc = np.ascontiguousarray(k_cache)
         vc = np.ascontiguousarray(v_cache)
+        if kv_fp8:  # the kernels take fp8 caches as i8 and bitcast them
+            kc, vc = kc.view(np.int8), vc.view(np.int8)
         if group:
             out_b = np.empty((active.size, rows, nhead_q, hdim_v), q.dtype)
             lse_b = np.empty((active.size, nhead_q, rows), np.float32)

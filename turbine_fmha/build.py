@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from .targets import Target, get_target
-from .variants import Variant, gpu_default_set, host_default_set
+from .variants import Variant, gpu_default_set, host_default_set, target_unsupported
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -223,6 +223,10 @@ def build(
             vs = variants.get(tname, [])
         else:
             vs = variants
+        for v in vs:
+            reason = target_unsupported(v, target.kind)
+            if reason:
+                raise ValueError(f"cannot build {v.name} for {target.name}: {reason}")
         plan.extend((v, target) for v in vs)
 
     rendered: dict[Variant, str] = {}

@@ -30,7 +30,7 @@ from iree.turbine.runtime.op_reg.base import (
 )
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from .variants import UNBOUNDED, Variant
+from .variants import KV_DTYPES, UNBOUNDED, Variant
 
 
 def mlir_dir() -> Path:
@@ -75,7 +75,7 @@ _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 _SIGNATURE_ARGS = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor seqlen_q, Tensor seqlen_k, Tensor kv_shift, Tensor fparams, Tensor iparams, "
-    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout"
+    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout, str kv_dtype"
 )
 _N_FIXED = 9  # tensors every variant takes
 _OPTIONAL = (9, 10, 11)  # alibi_slopes, bias, sinks
@@ -92,8 +92,10 @@ class _PagedKVFwd(CustomOp):
         ksel.attr_str(12)
         ksel.attr_int(13)
         ksel.attr_str(14)
+        ksel.attr_str(15)
         torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
-        torch._check(kc.t.dtype == q.t.dtype and vc.t.dtype == q.t.dtype, lambda: "dtype mismatch")
+        kv_t = torch.int8 if ksel.arg_descs[15].v else q.t.dtype  # fp8 travels as i8
+        torch._check(kc.t.dtype == kv_t and vc.t.dtype == kv_t, lambda: "dtype mismatch")
         torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
         torch._check(q.t.shape[2] % kc.t.shape[2] == 0, lambda: "nhead_q % nhead_k != 0")
         q.specialize_dims(2, 3)
@@ -137,6 +139,7 @@ class _PagedKVFwd(CustomOp):
             D=q.shape[3],
             DV=vc.shape[2] if ksel.arg_descs[14].v == "col" else vc.shape[3],
             VCOL=ksel.arg_descs[14].v == "col",
+            KV_DT=KV_DTYPES.get(ksel.arg_descs[15].v, ""),
             PAGE=kc.shape[1],
             mask=ksel.arg_descs[12].v,
             SOFTCAP=bool(ksel.arg_descs[13].v),
@@ -155,6 +158,7 @@ class _PagedKVFwd(CustomOp):
             + ("_softcap" if p["SOFTCAP"] else "")
             + ("_sink" if p["SINKS"] else "")
             + ("_vcol" if p["VCOL"] else "")
+            + (f"_kv{ksel.arg_descs[15].v}" if p["KV_DT"] else "")
         )
         if self.static_rows:
             func_name += f"_b{p['BT']}_q{p['MQ']}"
@@ -205,6 +209,7 @@ def example_args(v: Variant) -> list:
     """Meta tensors shaped like a call of `v` (dynamic dims get size 2, so a
     size-1 axis always means a broadcast axis)."""
     dt = _TORCH_DTYPE[v.dtype]
+    kvt = torch.int8 if v.kv_dtype else dt
     b = v.batch_tile or 2
     sq = v.seqlen_q_tile or 2
     f32 = torch.float32
@@ -219,15 +224,15 @@ def example_args(v: Variant) -> list:
         bias = t(bb, bh, sq, 2)
     return [
         t(b, sq, v.nhead_q, v.hdim_q, dtype=dt),
-        t(2, v.page_block_size, v.nhead_k, v.hdim_q, dtype=dt),
-        t(2, v.nhead_k, v.hdim_v, v.page_block_size, dtype=dt)
+        t(2, v.page_block_size, v.nhead_k, v.hdim_q, dtype=kvt),
+        t(2, v.nhead_k, v.hdim_v, v.page_block_size, dtype=kvt)
         if v.v_layout == "col"
-        else t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=dt),
+        else t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=kvt),
         t(b, 2, dtype=torch.int32),
         t(b, dtype=torch.int32),
         t(b, dtype=torch.int32),
         t(b, dtype=torch.int32),
-        t(2),
+        t(3),
         t(4, dtype=torch.int32),
         t(b, v.nhead_q) if v.bias == "alibi" else None,
         bias,
@@ -235,6 +240,7 @@ def example_args(v: Variant) -> list:
         v.mask,
         int(v.softcap),
         v.v_layout,
+        v.kv_dtype,
     ]
 
 

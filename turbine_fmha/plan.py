@@ -27,8 +27,9 @@ class KernelCall:
     seqlen_q: np.ndarray  # [batch] int32, query rows of each sequence (<= rows)
     seqlen_k: np.ndarray  # [batch] int32
     kv_shift: np.ndarray  # [batch] int32, key t is gathered row kv_shift + t
-    scale: float
+    scale: float  # softmax scale, times k_scale for fp8 K
     softcap: float
+    v_scale: float  # fp8 V descale (1 otherwise)
     left: int
     right: int
     sink_size: int
@@ -51,7 +52,7 @@ def plan_calls(variant: Variant, c: KernelCall):
     q, bt, sq, sk, ks = c.q, c.block_table, c.seqlen_q, c.seqlen_k, c.kv_shift
     batch, rows = q.shape[0], q.shape[1]
     nk = bt.shape[1] * variant.page_block_size
-    fparams = np.array([c.scale, c.softcap], np.float32)
+    fparams = np.array([c.scale, c.softcap, c.v_scale], np.float32)
     bias = c.bias
     if bias is not None and bias.shape[3] != nk:
         # The kernel reads keys up to the table width; keys past seqlen_k are

@@ -100,6 +100,8 @@ def fmha_fwd_paged_ref(
     seqstart_q=None,
     kv_offset=None,
     v_layout="row",
+    k_scale=1.0,
+    v_scale=1.0,
 ):
     """Batch mode: (out [b, sq, hq, dv], lse [b, hq, sq]), float64.
 
@@ -108,6 +110,9 @@ def fmha_fwd_paged_ref(
     total_q]); bias is then [hq or 1, total_q, keys]. kv_offset: key t of
     sequence b is table position kv_offset[b] + t.
     """
+    # fp8 caches: dequantize (true K = k_scale * K_fp8), then exact math.
+    k_cache = np.asarray(k_cache).astype(np.float64) * (1.0 if k_scale is None else k_scale)
+    v_cache = np.asarray(v_cache).astype(np.float64) * (1.0 if v_scale is None else v_scale)
     if v_layout == "col":  # [pages, nhead_k, hdim_v, page] -> row-major
         v_cache = np.asarray(v_cache).transpose(0, 3, 1, 2)
     kw = dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,

@@ -26,6 +26,9 @@ BIASES = ("none", "alibi", "elementwise")
 BIAS_SHAPES = ("11", "b1", "1h", "bh")
 FORMULATIONS = ("explicit", "online")
 V_LAYOUTS = ("row", "col")
+# fp8 KV-cache formats (ml_dtypes / MLIR names): OCP e4m3fn/e5m2 (gfx950,
+# NVIDIA) and the fnuz variants (gfx942).
+KV_DTYPES = {"f8e4m3fn": "f8E4M3FN", "f8e4m3fnuz": "f8E4M3FNUZ", "f8e5m2": "f8E5M2", "f8e5m2fnuz": "f8E5M2FNUZ"}
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
@@ -39,7 +42,7 @@ _NAME_RE = re.compile(
     r"^pagedkv_fwd_(?P<dtype>f16|bf16|f32)"
     r"_d(?P<hdim_q>\d+)x(?P<hdim_v>\d+)"
     r"_h(?P<nhead_q>\d+)x(?P<nhead_k>\d+)"
-    r"_pg(?P<page>\d+)(?P<vcol>_vcol)?"
+    r"_pg(?P<page>\d+)(?P<vcol>_vcol)?(?:_kv(?P<kv>f8e4m3fnuz|f8e4m3fn|f8e5m2fnuz|f8e5m2))?"
     r"_(?P<mask>nmask|mtl|mbr)"
     r"(?:_(?P<bias>alibi|bias(?P<bias_shape>11|b1|1h|bh)))?"
     r"(?P<softcap>_softcap)?"
@@ -66,6 +69,8 @@ class Variant:
     # V cache layout: "row" [pages, page, nhead_k, hdim_v] or "col"
     # [pages, nhead_k, hdim_v, page] (ck_tile's column-major V).
     v_layout: str = "row"
+    # fp8 KV cache format ("" = same as dtype); queries stay fp16/bf16.
+    kv_dtype: str = ""
     lse: bool = True
     formulation: str = "explicit"
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
@@ -77,6 +82,11 @@ class Variant:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.kv_dtype and (self.kv_dtype not in KV_DTYPES or self.dtype == "f32"):
+            raise ValueError(
+                f"kv_dtype must be one of {sorted(KV_DTYPES)} with fp16/bf16 queries, "
+                f"got kv_dtype={self.kv_dtype!r}, dtype={self.dtype!r}"
+            )
         if self.v_layout not in V_LAYOUTS:
             raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {self.v_layout!r}")
         if self.bias not in BIASES:
@@ -123,6 +133,7 @@ class Variant:
             f"pagedkv_fwd_{self.dtype}_d{self.hdim_q}x{self.hdim_v}"
             f"_h{self.nhead_q}x{self.nhead_k}_pg{self.page_block_size}"
             f"{'_vcol' if self.v_layout == 'col' else ''}"
+            f"{'_kv' + self.kv_dtype if self.kv_dtype else ''}"
             f"_{_MASK_TAG[self.mask]}"
         )
         if self.bias == "alibi":
@@ -157,6 +168,7 @@ class Variant:
             softcap=bool(g["softcap"]),
             sinks=bool(g["sinks"]),
             v_layout="col" if g["vcol"] else "row",
+            kv_dtype=g["kv"] or "",
             lse=g["lse"] == "lse",
             formulation=g["form"],
             batch_tile=int(g["bt"] or 0),
@@ -182,6 +194,8 @@ def online_unsupported(problem: dict) -> str | None:
         # IREE 3.13's online_attention gave wrong results (rel err ~1) on the
         # CPU for head dims 160, 192/128 and 256; 128 and below are right.
         return f"head dims {problem['hdim_q']}/{problem['hdim_v']} > 128 compute wrong results in IREE 3.13"
+    if problem.get("kv_dtype"):
+        return "fp8 KV caches fail to compile for GPU targets in IREE 3.13 (CPU only)"
     per_head = problem["bias"] == "alibi" or (problem["bias"] == "elementwise" and problem["bias_shape"][1] == "h")
     if per_head and problem["page_block_size"] == 1:
         # The per-head loop with one-row pages fails to compile on every
@@ -204,6 +218,7 @@ PROBLEM_FIELDS = (
     "softcap",
     "sinks",
     "v_layout",
+    "kv_dtype",
 )
 
 
@@ -249,7 +264,7 @@ def host_default_set() -> list[Variant]:
 
     Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
     mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
-    page 16, with the causal masks, and column-major V.
+    page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches.
     """
     out = []
     for dtype in DTYPES:
@@ -263,6 +278,8 @@ def host_default_set() -> list[Variant]:
             out += _feature_variants(dtype, 16, mask)
         for mask in ("none", "bottom_right"):
             out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col"))
+            for kv in ("f8e4m3fn", "f8e4m3fnuz"):
+                out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
     return out
 
 
@@ -290,3 +307,13 @@ def gpu_default_set() -> list[Variant]:
             out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col", formulation="online",
                                batch_tile=bt, seqlen_q_tile=mq))
     return out
+
+
+def target_unsupported(variant: Variant, target_kind: str) -> str | None:
+    """Why `variant` cannot be built for a target of `target_kind`, or None."""
+    if variant.kv_dtype and target_kind != "cpu":
+        # The fp8 -> f32 conversions inside the gather/attention dispatches
+        # fail to compile for gfx942, gfx950 and sm_80 with IREE 3.13, in
+        # both formulations (docs/perf-notes.md).
+        return f"fp8 KV caches ({variant.kv_dtype}) run on the CPU only for now"
+    return None
