@@ -196,3 +196,11 @@ def test_stale_manifest_entries_are_ignored(built, tmp_path):
     _edit_manifest(d, lambda a: a.update(variant="pagedkv_fwd_f16_d256x256_h4x2_pg16_nmask_lse_online_b1_q128"))
     s = turbine_fmha.Session("cpu", artifact_dir=d)
     assert all(v.formulation == "explicit" for v in s.available_variants())
+
+
+def test_artifacts_of_another_kernel_abi_are_not_loaded(built, tmp_path, rng):
+    d = _copy(built, tmp_path)
+    _edit_manifest(d, lambda a: a.update(kernel_abi=-1))
+    s = turbine_fmha.Session("cpu", artifact_dir=d)
+    stale = json.loads((d / "manifest.json").read_text())["artifacts"][0]["variant"]
+    assert Variant.parse(stale) not in s.available_variants()

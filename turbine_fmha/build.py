@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from .targets import Target, get_target
-from .variants import Variant, gpu_default_set, host_default_set, target_unsupported
+from .variants import KERNEL_ABI, Variant, gpu_default_set, host_default_set, target_unsupported
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -245,6 +245,7 @@ def build(
             not force
             and prev is not None
             and prev.get("source_sha256") == shash
+            and prev.get("kernel_abi") == KERNEL_ABI
             and vmfb.exists()
             and sha256_file(vmfb) == prev.get("sha256")
         ):
@@ -263,6 +264,7 @@ def build(
             "sha256": sha256_file(vmfb),
             "size": vmfb.stat().st_size,
             "source_sha256": shash,
+            "kernel_abi": KERNEL_ABI,
             "compiler_version": version,
             "flags": list(target.flags),
             "compile_seconds": round(seconds, 3),

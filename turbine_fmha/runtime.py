@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
-from .variants import Variant
+from .variants import KERNEL_ABI, Variant
 
 ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
 ENV_CACHE = "TURBINE_FMHA_CACHE"
@@ -124,6 +124,10 @@ class Session:
             except (KeyError, ValueError):
                 # Built by an older version whose variant rules allowed it
                 # (e.g. an online kernel since found to be wrong): never load.
+                continue
+            if a.get("kernel_abi") != KERNEL_ABI:
+                # Built from templates with another argument list: calling it
+                # would fail inside IREE; "no artifact" names the rebuild.
                 continue
             self._index.setdefault(a["variant"], dict(a, _dir=str(directory)))
 

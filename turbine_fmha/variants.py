@@ -30,6 +30,11 @@ V_LAYOUTS = ("row", "col")
 # NVIDIA) and the fnuz variants (gfx942).
 KV_DTYPES = {"f8e4m3fn": "f8E4M3FN", "f8e4m3fnuz": "f8E4M3FNUZ", "f8e5m2": "f8E5M2", "f8e5m2fnuz": "f8E5M2FNUZ"}
 
+# The kernels' argument list version. Artifacts built for another one are
+# never loaded (the runtime cannot see template changes otherwise). Bump it
+# whenever a template's signature changes.
+KERNEL_ABI = 3
+
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
 # index arithmetic). ALiBi's causal (VERTICAL) form is keyed on it.
