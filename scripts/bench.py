@@ -275,6 +275,7 @@ def verify(session, rng, dtypes):
         "soft-cap": lambda b, sq, sks: dict(logits_soft_cap=2.0),
         "sinks": lambda b, sq, sks: dict(sinks=rng.uniform(-1, 2, HQ).astype(np.float32)),
     }
+    feats["fp8 KV (e4m3fn)"] = "fp8"
     for fname, make in feats.items():
         cases.append(("f16", 1, [300, 17, 1, 0, 45], dict(mask_type="none", _feature=make), fname))
         cases.append(("f16", 150, [200, 150], dict(mask_type="bottom_right", window_size_right=0, _feature=make), fname))
@@ -283,7 +284,7 @@ def verify(session, rng, dtypes):
         kw = dict(kw)
         make = kw.pop("_feature", None)
         b = len(sks)
-        if make:
+        if make and make != "fp8":
             kw.update(make(b, sq, sks))
         width = max(-(-s // PAGE) for s in sks) + 2
         num_pages = sum(-(-s // PAGE) for s in sks) + 4
@@ -297,6 +298,12 @@ def verify(session, rng, dtypes):
             n = -(-s // PAGE)
             bt[r, :n] = perm[i : i + n]
             i += n
+        if make == "fp8":
+            import ml_dtypes
+
+            kw.update(k_scale=0.05, v_scale=0.08)
+            kc = (kc.astype(np.float32) / 0.05).astype(ml_dtypes.float8_e4m3fn)
+            vc = (vc.astype(np.float32) / 0.08).astype(ml_dtypes.float8_e4m3fn)
         q = rng.standard_normal((b, sq, HQ, D)).astype(dt)
         if label == "soft-cap":
             q = q * np.asarray(4, dt)

@@ -145,7 +145,7 @@ def test_gpu_default_set_compiles(target):
     tfb.build(out, [target], gpu_default_set())
     m = json.loads((out / "manifest.json").read_text())
     entries = {a["variant"]: a for a in m["artifacts"] if a["target"] == target}
-    assert set(entries) == {v.name for v in gpu_default_set()}
+    assert {v.name for v in gpu_default_set()} <= set(entries)
     for v in gpu_default_set():
         isa = entries[v.name]["isa"]
         if target == "cuda":
@@ -173,6 +173,7 @@ def _per_head(v: Variant) -> bool:
 
 GPU_FALLBACK = [
     Variant("f16", 256, 256, 32, 8, 16, "bottom_right"),
+    Variant("bf16", 128, 128, 32, 8, 16, "none", kv_dtype="f8e5m2fnuz"),
     Variant("bf16", 192, 128, 32, 8, 16, "none"),
     Variant("f16", 128, 128, 32, 8, 1, "bottom_right", "alibi"),
 ]
@@ -182,13 +183,14 @@ GPU_FALLBACK = [
 @pytest.mark.parametrize("target", ["gfx942", "gfx90a", "gfx950", "cuda"])
 def test_gpu_explicit_fallback_compiles(target):
     """Problems the online kernels cannot serve (head dims > 128; per-head
-    terms with one-row pages) run the explicit formulation on GPUs too: it
+    terms with one-row pages; fp8 caches) run the explicit formulation on
+    GPUs too: it
     must compile there (no MFMA and some spills: slow, but the kernel the CPU
     tests execute)."""
     out = CACHE / "gpu-fallback"
     tfb.build(out, [target], GPU_FALLBACK)
     m = json.loads((out / "manifest.json").read_text())
-    assert {a["variant"] for a in m["artifacts"] if a["target"] == target} == {v.name for v in GPU_FALLBACK}
+    assert {v.name for v in GPU_FALLBACK} <= {a["variant"] for a in m["artifacts"] if a["target"] == target}
 
 
 def test_stale_manifest_entries_are_ignored(built, tmp_path):

@@ -144,8 +144,8 @@ def fmha_fwd_paged(
         v_layout="col", [num_pages, nhead_k, hdim_v, page_block_size].
         An fp8 KV cache (ml_dtypes/torch float8_e4m3fn, _e4m3fnuz, _e5m2,
         _e5m2fnuz) goes with fp16/bf16 queries and per-tensor descales
-        k_scale / v_scale (true K = k_scale * K_fp8). CPU only for now: IREE
-        3.13 fails to compile the fp8 conversions for the GPU targets.
+        k_scale / v_scale (true K = k_scale * K_fp8). On GPUs these run the
+        explicit formulation (no matrix cores yet; docs/repro/).
       block_table: [batch, max_pages_per_seq] int32. Key t of sequence b is
         table position p = kv_offset[b] + t: row p % page_block_size of page
         block_table[b, p // page_block_size]. Slots holding no key are unused

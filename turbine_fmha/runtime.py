@@ -221,11 +221,6 @@ class Session:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem); among static (online) variants, the one that pads
         least, then the one with the fewest launches."""
-        if problem.get("kv_dtype") and self.target.kind != "cpu":
-            raise ValueError(
-                f"fp8 KV caches run on the CPU only for now (IREE 3.13 fails to compile "
-                f"the fp8 conversions for {self.target.name})"
-            )
         formulation = self._formulation_for(problem)
         cands = [
             v
