@@ -329,6 +329,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--json", default=None, help="write rows as a JSON list")
     ap.add_argument("--verify", action="store_true")
+    ap.add_argument("--verify-only", action="store_true", help="verify on the device, time nothing")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--features", action="store_true", help="also time each score-side feature vs plain causal (fp16)")
     ap.add_argument("--list-feature-variants", action="store_true", help="print the variants --features needs, then exit")
@@ -345,11 +346,14 @@ def main() -> int:
 
         torch.set_num_threads(2)
     rows = []
-    if args.verify:
+    if args.verify or args.verify_only:
         vrows = verify(session, rng, dtypes)
         if not all(r["ok"] for r in vrows):
             print("verification FAILED", file=sys.stderr)
             return 1
+        if args.verify_only:
+            print(f"verified {len(vrows)} problems on {args.device}")
+            return 0
     extra = {}
     if args.device == "cpu":
         extra["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 2)
