@@ -106,8 +106,11 @@ class _PagedKVFwd(CustomOp):
         if alibi is not None:
             alibi.specialize_dims(1)
         if bias is not None:
-            # Broadcast axes (size 1) are static; the others follow q.
-            bias.specialize_dims(*[i for i in (0, 1) if bias.t.shape[i] == 1 or i == 1])
+            # The head axis is static (1 or nhead_q); a size-1 batch axis is
+            # a static broadcast, a full one follows q's dynamic batch.
+            bias.specialize_dims(1)
+            if bias.t.shape[0] == 1:
+                bias.specialize_dims(0)
         if sinks is not None:
             sinks.specialize_all_dims()
         b, sq, hq, _ = q.t.shape

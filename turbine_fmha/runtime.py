@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
-from .variants import KERNEL_ABI, Variant
+from .variants import KERNEL_ABI, Variant, online_unsupported
 
 ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
 ENV_CACHE = "TURBINE_FMHA_CACHE"
@@ -101,6 +101,9 @@ class Session:
         self.last_variant: Variant | None = None
         self._config = None
         self._index: dict[str, dict] = {}
+        # Variants by problem (Variant.problem as a tuple), so choosing one
+        # per call does not re-parse every manifest name.
+        self._by_problem: dict[tuple, list[Variant]] = {}
         self._read_manifest(self.artifact_dir)
         if compile_missing:
             self._read_manifest(self.cache_dir)
@@ -120,7 +123,7 @@ class Session:
             if a.get("target") != self.target.name:
                 continue
             try:
-                Variant.parse(a["variant"])
+                variant = Variant.parse(a["variant"])
             except (KeyError, ValueError):
                 # Built by an older version whose variant rules allowed it
                 # (e.g. an online kernel since found to be wrong): never load.
@@ -129,7 +132,9 @@ class Session:
                 # Built from templates with another argument list: calling it
                 # would fail inside IREE; "no artifact" names the rebuild.
                 continue
-            self._index.setdefault(a["variant"], dict(a, _dir=str(directory)))
+            if a["variant"] not in self._index:
+                self._index[a["variant"]] = dict(a, _dir=str(directory))
+                self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
 
     def available_variants(self) -> list[Variant]:
         return [Variant.parse(n) for n in sorted(self._index)]
@@ -171,7 +176,8 @@ class Session:
         from .build import build
 
         build(self.cache_dir, [self.target.name], [variant])
-        self._index.pop(variant.name, None)
+        if self._index.pop(variant.name, None) is not None:
+            self._by_problem[_problem_key(variant.problem)].remove(variant)
         self._read_manifest(self.cache_dir)
         return self._index[variant.name]
 
@@ -222,11 +228,7 @@ class Session:
         Variant.problem); among static (online) variants, the one that pads
         least, then the one with the fewest launches."""
         formulation = self._formulation_for(problem)
-        cands = [
-            v
-            for v in (Variant.parse(n) for n in self._index)
-            if v.problem == problem and v.formulation == formulation
-        ]
+        cands = [v for v in self._by_problem.get(_problem_key(problem), []) if v.formulation == formulation]
         if not cands and self.compile_missing:
             return self._default_variant_for(problem, seqlen_q)
         if not cands:
@@ -252,8 +254,6 @@ class Session:
     def _formulation_for(self, problem: dict) -> str:
         """The session's formulation, unless the online one cannot serve the
         problem (variants.online_unsupported): then the explicit one."""
-        from .variants import online_unsupported
-
         if self.formulation == "online" and online_unsupported(problem):
             return "explicit"
         return self.formulation
@@ -265,6 +265,10 @@ class Session:
 
         bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
         return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq)
+
+
+def _problem_key(problem: dict) -> tuple:
+    return tuple(sorted(problem.items()))
 
 
 ENV_CPU_THREADS = "TURBINE_FMHA_CPU_THREADS"
