@@ -144,7 +144,7 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
     slopes = kw.get("alibi_slopes")
     call = KernelCall(
         q=q, block_table=bt, seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32), seqlen_k=sk,
-        kv_shift=np.zeros(shape["batch"], np.int32), scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0), v_scale=1.0,
+        kv_shift=np.zeros(shape["batch"], np.int32), scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0), scale_o=1.0, scale_p=1.0,
         left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
         sink_size=kw.get("sink_size", 0),
         alibi_slopes=None if slopes is None else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),

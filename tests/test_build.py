@@ -176,6 +176,7 @@ GPU_FALLBACK = [
     Variant("bf16", 128, 128, 32, 8, 16, "none", kv_dtype="f8e5m2fnuz"),
     Variant("bf16", 192, 128, 32, 8, 16, "none"),
     Variant("f16", 128, 128, 32, 8, 1, "bottom_right", "alibi"),
+    Variant("f8e5m2", 128, 128, 32, 8, 16, "bottom_right"),
 ]
 
 
@@ -183,7 +184,8 @@ GPU_FALLBACK = [
 @pytest.mark.parametrize("target", ["gfx942", "gfx90a", "gfx950", "cuda"])
 def test_gpu_explicit_fallback_compiles(target):
     """Problems the online kernels cannot serve (head dims > 128; per-head
-    terms with one-row pages; fp8 caches) run the explicit formulation on
+    terms with one-row pages; fp8 caches; fp8 static quantization) run the
+    explicit formulation on
     GPUs too: it
     must compile there (no MFMA and some spills: slow, but the kernel the CPU
     tests execute)."""

@@ -12,6 +12,7 @@ import pytest
 
 import turbine_fmha
 from conftest import make_problem, run_and_check
+from turbine_fmha.reference import fmha_fwd_paged_ref, fp8_round
 
 FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"]
 
@@ -85,3 +86,141 @@ def test_fp8_decode_is_exact_for_every_byte(explicit_session):
                                           session=explicit_session)
         got = out.reshape(256).astype(np.float32)
         np.testing.assert_array_equal(got[finite], want[finite].astype(np.float16).astype(np.float32), err_msg=fmt)
+
+
+# --- static quantization: fp8 Q/K/V and output (ck_tile kDoFp8StaticQuant) ---
+
+def _fp8_step(x, f8):
+    """Spacing of the fp8 grid at |x| (subnormal spacing below the normals)."""
+    info = ml_dtypes.finfo(f8)
+    e = np.floor(np.log2(np.maximum(np.abs(x), float(info.smallest_normal))))
+    return np.exp2(e - info.nmant)
+
+
+def _squant_problem(rng, fmt, **kw):
+    q, k, v, bt, sk = make_problem(rng, dtype="f32", **kw)
+    f8 = getattr(ml_dtypes, fmt)
+    # Per-tensor scales as a serving stack picks them, amax / fp8 max (with
+    # some headroom). Spare pages stay NaN (every format has a NaN code):
+    # they must never show.
+    top = float(ml_dtypes.finfo(f8).max)
+    q_scale, k_scale, v_scale = (float(np.nanmax(np.abs(x)) / top * rng.uniform(1.0, 1.5)) for x in (q, k, v))
+    quant = [(x / s).astype(f8) for x, s in ((q, q_scale), (k, k_scale), (v, v_scale))]
+    scales = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                  # Outputs |o| <~ 3: out_scale down to 1e-3 drives some of
+                  # them into saturation; p_scale from a quarter of the
+                  # format's max (coarser P grid) up to the default.
+                  out_scale=float(10 ** rng.uniform(-3, -1)),
+                  p_scale=float(rng.uniform(0.25, 1.0) * ml_dtypes.finfo(f8).max))
+    return (*quant, bt, sk), scales
+
+
+def _check_squant(out, lse, ref, ref_lse, f8):
+    """The kernel computes what the reference does, in f32 instead of
+    float64, so it lands on the same fp8 value except where the f32 result
+    sits within ~1e-6 relative of a rounding midpoint of P or of the output
+    (P's grid is 2^-3 relative for e4m3, so about 1e-5 of all values): those
+    may round to the neighbouring value. Bound: at most one grid step off, and
+    under 1% of the values off at all."""
+    assert out.dtype == f8
+    got = out.astype(np.float64)
+    assert np.isfinite(got).all(), "non-finite output"
+    diff = np.abs(got - ref)
+    assert (diff <= _fp8_step(ref, f8) * (1 + 1e-9)).all(), f"off by more than one fp8 step: max {diff.max()}"
+    frac = np.count_nonzero(diff) / diff.size
+    assert frac < 0.01, f"{frac:.2%} of outputs differ from the reference's fp8 value"
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    if (~empty).any():
+        # Scores are exact fp8 products summed in f32: LSE to f32 accuracy.
+        assert np.abs(lse[~empty] - ref_lse[~empty]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_static_quant(explicit_session, rng, fmt):
+    f8 = getattr(ml_dtypes, fmt)
+    batch = 3
+    (q, k, v, bt, sk), scales = _squant_problem(
+        rng, fmt, batch=batch, seqlen_q=int(rng.integers(1, 40)),
+        seqlens_k=[int(rng.integers(0, 100)) for _ in range(batch)],
+        nhead_q=8, nhead_k=2, hdim=64, page=16)
+    kw = dict(mask_type="bottom_right", window_size_right=0, **scales)
+    poison = np.full(q.shape[:-1] + (64,), np.nan, f8)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, out=poison, return_lse=True,
+                                           session=explicit_session, **kw)
+    assert out is poison
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    _check_squant(out, lse, ref, ref_lse, f8)
+    assert explicit_session.last_variant.static_quant
+
+
+def test_fp8_static_quant_features(explicit_session, online_session, rng):
+    """Group mode with sinks and a soft-cap, asked of the online (GPU)
+    formulation, which hands static quantization to the explicit kernels."""
+    fmt = "float8_e4m3fnuz"
+    f8 = getattr(ml_dtypes, fmt)
+    lens_q = [1, int(rng.integers(2, 30)), 1, int(rng.integers(2, 30))]
+    lens_k = [int(rng.integers(lq, 90)) for lq in lens_q]
+    (q4, k, v, bt, sk), scales = _squant_problem(rng, fmt, batch=4, seqlen_q=max(lens_q), seqlens_k=lens_k,
+                                                 nhead_q=8, nhead_k=2, hdim=64, page=16)
+    q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
+    seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_left=20, window_size_right=0,
+              logits_soft_cap=30.0, sinks=rng.uniform(-2, 2, 8).astype(np.float32), **scales)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=online_session, **kw)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    _check_squant(out, lse, ref, ref_lse, f8)
+    assert online_session.last_variant.formulation == "explicit"
+
+
+@pytest.mark.parametrize("v_scale", [1.0, 1.0625])
+def test_fp8_encode_is_exact_for_every_byte(explicit_session, v_scale):
+    """One key, so P = 1 and the output is fp8(V_fp8 * v_scale): with v_scale
+    1 every code must come back unchanged (NaN codes as NaN); with 1.0625
+    (= 1 + 2^-4) many products fall exactly between two e5m2 values or
+    beyond the max, testing ties-to-even and saturation against ml_dtypes."""
+    for fmt in FORMATS:
+        f8 = getattr(ml_dtypes, fmt)
+        codes = np.arange(256, dtype=np.uint8).view(np.int8).view(f8)
+        v = codes.reshape(1, 1, 1, 256)
+        k = np.zeros((1, 1, 1, 64), f8)
+        q = np.zeros((1, 1, 1, 64), f8)
+        out = turbine_fmha.fmha_fwd_paged(q, k, v, np.zeros((1, 1), np.int32), np.ones(1, np.int32),
+                                          v_scale=v_scale, p_scale=1.0, out_scale=1.0, session=explicit_session)
+        got = out.reshape(256)
+        vals = codes.astype(np.float64)
+        want = fp8_round(vals * v_scale, f8)
+        nan = np.isnan(vals)
+        assert np.isnan(got.astype(np.float64)[nan]).all(), fmt
+        np.testing.assert_array_equal(got.astype(np.float64)[~nan], want[~nan], err_msg=fmt)
+        if v_scale == 1.0:
+            # Bit-exact, except that -0 comes back as +0 (the f32 PV sum
+            # starts at +0, and +0 + -0 = +0, as in ck_tile) and e5m2's
+            # infinities saturate to +-max (ck_tile's saturates<fp8_t>).
+            bits = want.astype(f8).view(np.uint8)
+            want_bits = np.where(bits == 0x80, 0, bits)
+            np.testing.assert_array_equal(got.view(np.uint8)[~nan], want_bits[~nan], err_msg=fmt)
+
+
+def test_fp8_static_quant_errors(rng, tmp_path):
+    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
+    (q, k, v, bt, sk), scales = _squant_problem(rng, "float8_e4m3fn", batch=2, seqlen_q=2, seqlens_k=[9, 3],
+                                                nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q16 = q.astype(np.float16)
+    cases = [
+        (dict(k=k.astype(ml_dtypes.float8_e4m3fnuz)), "k_cache dtype"),
+        (dict(v=v.astype(np.float16)), "v_cache dtype"),
+        (dict(p_scale=-1.0), "p_scale"),
+        (dict(out_scale=float("nan")), "out_scale"),
+        (dict(q=q16, k=k.astype(np.float16), v=v.astype(np.float16), p_scale=None, out_scale=None,
+              q_scale=0.5, k_scale=None, v_scale=None), "q_scale is for fp8 q"),
+        (dict(q=q16, k=k.astype(np.float16), v=v.astype(np.float16), p_scale=None, out_scale=1.0,
+              q_scale=None, k_scale=None, v_scale=None), "out_scale is for fp8 q"),
+    ]
+    for over, word in cases:
+        args = dict(q=q, k=k, v=v, **scales)
+        args.update(over)
+        q_, k_, v_ = args.pop("q"), args.pop("k"), args.pop("v")
+        with pytest.raises((ValueError, TypeError)) as info:
+            turbine_fmha.fmha_fwd_paged(q_, k_, v_, bt, sk, session=s, **args)
+        assert word in str(info.value), (word, str(info.value))

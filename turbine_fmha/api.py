@@ -38,14 +38,23 @@ def _dtype_name(dt: np.dtype) -> str | None:
     return None
 
 
+_FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+
+
 def _fp8_name(dt: np.dtype) -> str | None:
-    """ml_dtypes fp8 dtype -> variant kv_dtype name, or None."""
+    """ml_dtypes fp8 dtype -> variant dtype name (f8e4m3fn, ...), or None."""
     import ml_dtypes
 
-    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"):
+    for name in _FP8_NAMES:
         if dt == np.dtype(getattr(ml_dtypes, name)):
             return "f8" + name.split("_", 1)[1].replace("_", "")
     return None
+
+
+def _fp8_max(dt: np.dtype) -> float:
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(dt).max)
 
 
 def _is_torch(x) -> bool:
@@ -78,6 +87,8 @@ def _from_numpy(a: np.ndarray, like):
 
     if a.dtype == _bf16():
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    elif _fp8_name(a.dtype):
+        t = torch.from_numpy(a.view(np.int8)).view(getattr(torch, str(a.dtype)))
     else:
         t = torch.from_numpy(a)
     return t.to(like.device)
@@ -121,8 +132,11 @@ def fmha_fwd_paged(
     logits_soft_cap=0.0,
     sinks=None,
     v_layout="row",
+    q_scale=None,
     k_scale=None,
     v_scale=None,
+    p_scale=None,
+    out_scale=None,
     return_lse=False,
     device="cpu",
     session: Session | None = None,
@@ -146,6 +160,8 @@ def fmha_fwd_paged(
         _e5m2fnuz) goes with fp16/bf16 queries and per-tensor descales
         k_scale / v_scale (true K = k_scale * K_fp8). On GPUs these run the
         explicit formulation (no matrix cores yet; docs/repro/).
+        fp8 q with fp8 caches of the same format is ck_tile's static
+        quantization (fp8 output): see q_scale, p_scale, out_scale.
       block_table: [batch, max_pages_per_seq] int32. Key t of sequence b is
         table position p = kv_offset[b] + t: row p % page_block_size of page
         block_table[b, p // page_block_size]. Slots holding no key are unused
@@ -182,6 +198,16 @@ def fmha_fwd_paged(
       sinks: [nhead_q] float32 attention-sink logits (gpt-oss style): each joins
         its head's softmax denominator and contributes no value; LSE includes
         it, and a row without visible keys gets output 0 and LSE = sink.
+      q_scale / k_scale / v_scale: per-tensor fp8 descales (true Q = q_scale *
+        Q_fp8, likewise K, V); default 1. k_scale/v_scale need fp8 caches,
+        q_scale fp8 q.
+      p_scale: fp8 q only: the probabilities (in [0, 1], unnormalized
+        against the row max) are quantized as fp8(p * p_scale) before the PV
+        product; default the format's max (ck_tile's range_p = 1).
+      out_scale: fp8 q only: the output's descale, out_fp8 =
+        saturate(fp8(out / out_scale)); default 1. In ck_tile's terms, scale_s
+        = scale * q_scale * k_scale and scale_o = v_scale / (p_scale *
+        out_scale). LSE is of the dequantized scores, unaffected.
       return_lse: also return LSE (float32, natural log); -inf for rows with
         no visible key (whose output is 0).
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
@@ -202,11 +228,16 @@ def fmha_fwd_paged(
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if a.ndim != 4:
             raise ValueError(f"{name} must have 4 dims, got shape {a.shape}")
-    dt = _dtype_name(q.dtype)
+    squant = _fp8_name(q.dtype)  # fp8 q: static quantization
+    dt = squant or _dtype_name(q.dtype)
     if dt is None:
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+        raise TypeError(f"q must be float16, bfloat16, float32 or an ml_dtypes fp8 type, got {q.dtype}")
     kv_fp8 = _fp8_name(k_cache.dtype)
-    if kv_fp8:
+    if squant:
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if a.dtype != q.dtype:
+                raise TypeError(f"{name} dtype {a.dtype} must be q's fp8 format {q.dtype} (static quantization)")
+    elif kv_fp8:
         if dt == "f32":
             raise TypeError("an fp8 KV cache needs float16 or bfloat16 q")
         if v_cache.dtype != k_cache.dtype:
@@ -215,18 +246,23 @@ def fmha_fwd_paged(
         for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
             if a.dtype != q.dtype:
                 raise TypeError(f"{name} dtype {a.dtype} differs from q dtype {q.dtype}")
-    descale = []
-    for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+    quant = {}
+    for name, val, allowed, why in (
+        ("q_scale", q_scale, squant, "fp8 q"),
+        ("k_scale", k_scale, kv_fp8, "fp8 KV caches"),
+        ("v_scale", v_scale, kv_fp8, "fp8 KV caches"),
+        ("p_scale", p_scale, squant, "fp8 q"),
+        ("out_scale", out_scale, squant, "fp8 q"),
+    ):
         if val is None:
-            descale.append(1.0)
+            quant[name] = _fp8_max(q.dtype) if name == "p_scale" and squant else 1.0
             continue
-        if not kv_fp8:
-            raise ValueError(f"{name} is for fp8 KV caches only (k_cache is {k_cache.dtype})")
+        if not allowed:
+            raise ValueError(f"{name} is for {why} only (q is {q.dtype}, k_cache is {k_cache.dtype})")
         val = _check_float(val, name)
         if val <= 0:
             raise ValueError(f"{name} must be > 0, got {val}")
-        descale.append(val)
-    k_descale, v_descale = descale
+        quant[name] = val
     nhead_q, hdim_q = q.shape[-2:]
     num_pages, page, nhead_k, hdim_k = k_cache.shape
     if hdim_k != hdim_q:
@@ -398,7 +434,7 @@ def fmha_fwd_paged(
             softcap=cap > 0,
             sinks=sinks_a is not None,
             v_layout=v_layout,
-            kv_dtype=kv_fp8 or "",
+            kv_dtype="" if squant else (kv_fp8 or ""),
         )
         rows = int(seqlens_q[active].max())
         if group:
@@ -426,14 +462,15 @@ def fmha_fwd_paged(
             bt[i, :n] = block_table[b, first_page[b] : end_page[b]]
         variant = session.select(problem, rows, active.size)
         call = KernelCall(
-            q=qb,
+            q=qb.view(np.int8) if squant else qb,  # fp8 travels as i8
             block_table=bt,
             seqlen_q=seqlens_q[active].astype(np.int32),
             seqlen_k=seqlen_k[active].astype(np.int32),
             kv_shift=shift.astype(np.int32),
-            scale=float(scale) * k_descale,
+            scale=float(scale) * quant["q_scale"] * quant["k_scale"],
             softcap=cap,
-            v_scale=v_descale,
+            scale_o=quant["v_scale"] / (quant["p_scale"] * quant["out_scale"]) if squant else quant["v_scale"],
+            scale_p=quant["p_scale"],
             left=UNBOUNDED if left < 0 else left,
             right=UNBOUNDED if right < 0 else right,
             sink_size=sink_size,
@@ -443,16 +480,17 @@ def fmha_fwd_paged(
         )
         kc = np.ascontiguousarray(k_cache)
         vc = np.ascontiguousarray(v_cache)
-        if kv_fp8:  # the kernels take fp8 caches as i8 and bitcast them
+        if kv_fp8:  # the kernels take fp8 caches as i8 and decode them
             kc, vc = kc.view(np.int8), vc.view(np.int8)
         if group:
             out_b = np.empty((active.size, rows, nhead_q, hdim_v), q.dtype)
             lse_b = np.empty((active.size, nhead_q, rows), np.float32)
         else:
             out_b, lse_b = out, lse
+        out_k = out_b.view(np.int8) if squant else out_b
         for args, place in plan_calls(variant, call):
             o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
-            place(out_b, lse_b, o, l)
+            place(out_k, lse_b, o, l)
         if group:
             for i, b in enumerate(active):
                 s0, s1 = seqstart[b], seqstart[b + 1]

@@ -30,7 +30,7 @@ from iree.turbine.runtime.op_reg.base import (
 )
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from .variants import KV_DTYPES, UNBOUNDED, Variant
+from .variants import FP8_DTYPES, UNBOUNDED, Variant
 
 
 def mlir_dir() -> Path:
@@ -63,12 +63,14 @@ class RepoJinjaLoader(TemplateLoader):
 _TEMPLATES = RepoJinjaLoader()
 
 _TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
-_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
+# fp8 tensors travel as int8 (the templates decode and encode the bytes).
+_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()} | {torch.int8: "i8"}
 
 # The argument list shared by both formulations (see the templates):
 #   seqlen_q, seqlen_k, kv_shift: [batch] int32 (kv_shift: gappy KV, key t
 #     of sequence b is gathered row kv_shift[b] + t)
-#   fparams = [scale, logits_soft_cap]                      (f32)
+#   fparams = [scale, logits_soft_cap, out_mult, scale_p]    (f32; see the
+#     templates' prologue)
 #   iparams = [q_start, window_left, window_right, sink_size] (i32)
 #   alibi_slopes [batch, nhead_q] f32, bias [b|1, h|1, rows, keys] f32 and
 #   sinks [nhead_q] f32 are present only in variants that use them.
@@ -94,7 +96,10 @@ class _PagedKVFwd(CustomOp):
         ksel.attr_str(14)
         ksel.attr_str(15)
         torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
-        kv_t = torch.int8 if ksel.arg_descs[15].v else q.t.dtype  # fp8 travels as i8
+        # fp8 travels as int8; attr 15 names the format (of K/V, and of Q and
+        # the output when q is int8: static quantization).
+        torch._check(q.t.dtype != torch.int8 or bool(ksel.arg_descs[15].v), lambda: "int8 q needs an fp8 format")
+        kv_t = torch.int8 if ksel.arg_descs[15].v else q.t.dtype
         torch._check(kc.t.dtype == kv_t and vc.t.dtype == kv_t, lambda: "dtype mismatch")
         torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
         torch._check(q.t.shape[2] % kc.t.shape[2] == 0, lambda: "nhead_q % nhead_k != 0")
@@ -142,7 +147,8 @@ class _PagedKVFwd(CustomOp):
             D=q.shape[3],
             DV=vc.shape[2] if ksel.arg_descs[14].v == "col" else vc.shape[3],
             VCOL=ksel.arg_descs[14].v == "col",
-            KV_DT=KV_DTYPES.get(ksel.arg_descs[15].v, ""),
+            KV_DT=FP8_DTYPES.get(ksel.arg_descs[15].v, ""),
+            QF8=q.dtype == torch.int8,
             PAGE=kc.shape[1],
             mask=ksel.arg_descs[12].v,
             SOFTCAP=bool(ksel.arg_descs[13].v),
@@ -161,7 +167,7 @@ class _PagedKVFwd(CustomOp):
             + ("_softcap" if p["SOFTCAP"] else "")
             + ("_sink" if p["SINKS"] else "")
             + ("_vcol" if p["VCOL"] else "")
-            + (f"_kv{ksel.arg_descs[15].v}" if p["KV_DT"] else "")
+            + (f"_{'sq' if p['QF8'] else 'kv'}{ksel.arg_descs[15].v}" if p["KV_DT"] else "")
         )
         if self.static_rows:
             func_name += f"_b{p['BT']}_q{p['MQ']}"
@@ -211,7 +217,7 @@ def _op(formulation: str) -> _PagedKVFwd:
 def example_args(v: Variant) -> list:
     """Meta tensors shaped like a call of `v` (dynamic dims get size 2, so a
     size-1 axis always means a broadcast axis)."""
-    dt = _TORCH_DTYPE[v.dtype]
+    dt = torch.int8 if v.static_quant else _TORCH_DTYPE[v.dtype]
     kvt = torch.int8 if v.kv_dtype else dt
     b = v.batch_tile or 2
     sq = v.seqlen_q_tile or 2
@@ -235,7 +241,7 @@ def example_args(v: Variant) -> list:
         t(b, dtype=torch.int32),
         t(b, dtype=torch.int32),
         t(b, dtype=torch.int32),
-        t(3),
+        t(4),
         t(4, dtype=torch.int32),
         t(b, v.nhead_q) if v.bias == "alibi" else None,
         bias,
@@ -243,7 +249,7 @@ def example_args(v: Variant) -> list:
         v.mask,
         int(v.softcap),
         v.v_layout,
-        v.kv_dtype,
+        v.dtype if v.static_quant else v.kv_dtype,
     ]
 
 

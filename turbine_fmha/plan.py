@@ -27,9 +27,10 @@ class KernelCall:
     seqlen_q: np.ndarray  # [batch] int32, query rows of each sequence (<= rows)
     seqlen_k: np.ndarray  # [batch] int32
     kv_shift: np.ndarray  # [batch] int32, key t is gathered row kv_shift + t
-    scale: float  # softmax scale, times k_scale for fp8 K
+    scale: float  # scale_s: softmax scale times the fp8 descales of Q and K
     softcap: float
-    v_scale: float  # fp8 V descale (1 otherwise)
+    scale_o: float  # output multiplier: fp8 V descale; static quant: ck's scale_o
+    scale_p: float  # static quant: probabilities are quantized as fp8(p * scale_p)
     left: int
     right: int
     sink_size: int
@@ -52,7 +53,7 @@ def plan_calls(variant: Variant, c: KernelCall):
     q, bt, sq, sk, ks = c.q, c.block_table, c.seqlen_q, c.seqlen_k, c.kv_shift
     batch, rows = q.shape[0], q.shape[1]
     nk = bt.shape[1] * variant.page_block_size
-    fparams = np.array([c.scale, c.softcap, c.v_scale], np.float32)
+    fparams = np.array([c.scale, c.softcap, c.scale_o, c.scale_p], np.float32)
     bias = c.bias
     if bias is not None and bias.shape[3] != nk:
         # The kernel reads keys up to the table width; keys past seqlen_k are
@@ -85,7 +86,8 @@ def plan_calls(variant: Variant, c: KernelCall):
         return out
 
     if variant.formulation == "explicit":
-        per_row = batch * q.shape[2] * nk * (4 + q.itemsize)
+        # f32 scores plus probabilities in q's type (f16 for fp8 q).
+        per_row = batch * q.shape[2] * nk * (4 + max(2, q.itemsize))
         chunk = max(1, SCORE_BYTES_BUDGET // max(1, per_row))
         for s in range(0, rows, chunk):
             e = min(rows, s + chunk)

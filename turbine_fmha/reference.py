@@ -14,6 +14,13 @@ Score of query row i and key t for head h, in this order:
 Softmax over the visible keys; a per-head attention sink (sinks) joins the
 denominator as exp(sink - m) and contributes no value. A row without visible
 keys gets output 0 and LSE -inf (LSE = sink with sinks).
+
+Static quantization (q an ml_dtypes fp8 array, ck_tile's kDoFp8StaticQuant):
+Q, K, V are dequantized by q_scale / k_scale / v_scale; the probabilities
+exp(s - m), m the row max of the visible scores, are rounded to
+fp8(p * p_scale) for the PV product while the denominator stays exact; the
+output is fp8(out / out_scale), saturated, returned as float64 values of the
+fp8 grid (what the kernel's fp8 output decodes to).
 """
 
 from __future__ import annotations
@@ -73,6 +80,20 @@ def alibi_bias(slope: float, seqlen_q: int, seqlen_k: int, mask_type: str, windo
     return -slope * np.abs(i + shift - t).astype(np.float64)
 
 
+def fp8_round(x, dtype) -> np.ndarray:
+    """x rounded to the nearest value of ml_dtypes fp8 `dtype` (ties to
+    even), saturated to +-max, as float64."""
+    import ml_dtypes
+
+    top = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(np.asarray(x, np.float64), -top, top).astype(dtype).astype(np.float64)
+
+
+def _fp8_dtype(a):
+    dt = getattr(a, "dtype", None)
+    return dt if dt is not None and "float8" in str(dt) else None
+
+
 def gather_pages(cache: np.ndarray, pages: np.ndarray, seqlen: int, offset: int = 0) -> np.ndarray:
     """Keys 0..seqlen-1 of a sequence whose pages are `pages` (in order): key
     t is table position offset + t (offset > 0: gappy KV)."""
@@ -100,8 +121,11 @@ def fmha_fwd_paged_ref(
     seqstart_q=None,
     kv_offset=None,
     v_layout="row",
-    k_scale=1.0,
-    v_scale=1.0,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+    p_scale=None,
+    out_scale=None,
 ):
     """Batch mode: (out [b, sq, hq, dv], lse [b, hq, sq]), float64.
 
@@ -110,51 +134,60 @@ def fmha_fwd_paged_ref(
     total_q]); bias is then [hq or 1, total_q, keys]. kv_offset: key t of
     sequence b is table position kv_offset[b] + t.
     """
-    # fp8 caches: dequantize (true K = k_scale * K_fp8), then exact math.
+    quant = None
+    fmt = _fp8_dtype(q)
+    if fmt is not None:
+        import ml_dtypes
+
+        quant = (fmt, float(ml_dtypes.finfo(fmt).max) if p_scale is None else p_scale,
+                 1.0 if out_scale is None else out_scale)
+    q = np.asarray(q).astype(np.float64) * (1.0 if q_scale is None else q_scale)
     k_cache = np.asarray(k_cache).astype(np.float64) * (1.0 if k_scale is None else k_scale)
     v_cache = np.asarray(v_cache).astype(np.float64) * (1.0 if v_scale is None else v_scale)
     if v_layout == "col":  # [pages, nhead_k, hdim_v, page] -> row-major
-        v_cache = np.asarray(v_cache).transpose(0, 3, 1, 2)
-    kw = dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
-              window_size_right=window_size_right, sink_size=sink_size,
-              logits_soft_cap=logits_soft_cap, sinks=sinks)
-    if seqstart_q is not None:
-        q = np.asarray(q, dtype=np.float64)
-        total_q, hq = q.shape[:2]
-        out = np.zeros((total_q, hq, np.asarray(v_cache).shape[3]))
-        lse = np.full((hq, total_q), -np.inf)
-        for b in range(len(seqstart_q) - 1):
-            s0, s1 = int(seqstart_q[b]), int(seqstart_q[b + 1])
-            if s1 == s0:
-                continue
-            o, l = fmha_fwd_paged_ref(
-                q[None, s0:s1], k_cache, v_cache, np.asarray(block_table)[b : b + 1],
-                np.asarray(seqlen_k)[b : b + 1],
-                alibi_slopes=None if alibi_slopes is None else np.broadcast_to(alibi_slopes, (len(seqstart_q) - 1, hq))[b],
-                bias=None if bias is None else np.asarray(bias)[None, :, s0:s1],
-                kv_offset=None if kv_offset is None else np.asarray(kv_offset)[b : b + 1],
-                **kw,
-            )
-            out[s0:s1] = o[0]
-            lse[:, s0:s1] = l[0]
-        return out, lse
-    q = np.asarray(q, dtype=np.float64)
-    k_cache = np.asarray(k_cache, dtype=np.float64)
-    v_cache = np.asarray(v_cache, dtype=np.float64)
+        v_cache = v_cache.transpose(0, 3, 1, 2)
     block_table = np.asarray(block_table)
     seqlen_k = np.asarray(seqlen_k)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    hq = q.shape[-2]
+    kw = dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
+              window_size_right=window_size_right, sink_size=sink_size,
+              logits_soft_cap=logits_soft_cap,
+              sinks=None if sinks is None else np.asarray(sinks, np.float64), quant=quant)
+    if seqstart_q is None:
+        return _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slopes, bias, **kw)
+    total_q = q.shape[0]
+    batch = len(seqstart_q) - 1
+    out = np.zeros((total_q, hq, v_cache.shape[3]))
+    lse = np.full((hq, total_q), -np.inf)
+    for b in range(batch):
+        s0, s1 = int(seqstart_q[b]), int(seqstart_q[b + 1])
+        if s1 == s0:
+            continue
+        o, l = _batch_ref(
+            q[None, s0:s1], k_cache, v_cache, block_table[b : b + 1], seqlen_k[b : b + 1],
+            None if kv_offset is None else np.asarray(kv_offset)[b : b + 1],
+            None if alibi_slopes is None else np.broadcast_to(alibi_slopes, (batch, hq))[b : b + 1],
+            None if bias is None else np.asarray(bias)[None, :, s0:s1],
+            **kw,
+        )
+        out[s0:s1] = o[0]
+        lse[:, s0:s1] = l[0]
+    return out, lse
+
+
+def _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slopes, bias, *, scale,
+               mask_type, window_size_left, window_size_right, sink_size, logits_soft_cap, sinks, quant):
+    """Batch mode on dequantized float64 inputs (v_cache row-major)."""
     b, sq, hq, d = q.shape
     hk = k_cache.shape[2]
     dv = v_cache.shape[3]
     group = hq // hk
-    if scale is None:
-        scale = 1.0 / np.sqrt(d)
     if alibi_slopes is not None:
         alibi_slopes = np.broadcast_to(np.asarray(alibi_slopes, np.float64), (b, hq))
     if bias is not None:
         bias = np.asarray(bias, np.float64)
-    if sinks is not None:
-        sinks = np.asarray(sinks, np.float64)
     out = np.zeros((b, sq, hq, dv))
     lse = np.full((b, hq, sq), -np.inf)
     for bi in range(b):
@@ -173,6 +206,16 @@ def fmha_fwd_paged_ref(
                 s = s + bias[bi % bias.shape[0], h % bias.shape[1], :, :sk]
             s = np.where(vis, s, -np.inf)
             m = s.max(axis=1, initial=-np.inf)
+            if quant is not None:
+                # P is quantized against the visible max (the sink does not
+                # move it); the sink only joins the denominator.
+                fmt, p_scale, out_scale = quant
+                m0 = np.where(np.isfinite(m), m, 0.0)
+                p = np.exp(s - m0[:, None])
+                l = p.sum(axis=1) + (0.0 if sinks is None else np.exp(sinks[h] - m0))
+                o = (fp8_round(p * p_scale, fmt) @ v[:, h // group, :]) / p_scale
+                o = np.where((l > 0)[:, None], o / np.where(l > 0, l, 1.0)[:, None], 0.0)
+                out[bi, :, h, :] = fp8_round(o / out_scale, fmt)
             if sinks is not None:
                 m = np.maximum(m, sinks[h])
             has_mass = np.isfinite(m)
@@ -181,8 +224,9 @@ def fmha_fwd_paged_ref(
             l = p.sum(axis=1)
             if sinks is not None:
                 l = l + np.exp(sinks[h] - m0)
-            o = p @ v[:, h // group, :]
             nonzero = l > 0
-            out[bi, :, h, :] = np.where(nonzero[:, None], o / np.where(nonzero, l, 1.0)[:, None], 0.0)
             lse[bi, h, :] = np.where(nonzero, m0 + np.log(np.where(nonzero, l, 1.0)), -np.inf)
+            if quant is None:
+                o = p @ v[:, h // group, :]
+                out[bi, :, h, :] = np.where(nonzero[:, None], o / np.where(nonzero, l, 1.0)[:, None], 0.0)
     return out, lse

@@ -18,7 +18,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
-DTYPES = ("f16", "bf16", "f32")
+# fp8 formats (ml_dtypes / MLIR names): OCP e4m3fn/e5m2 (gfx950, NVIDIA) and
+# the fnuz variants (gfx942).
+FP8_DTYPES = {"f8e4m3fn": "f8E4M3FN", "f8e4m3fnuz": "f8E4M3FNUZ", "f8e5m2": "f8E5M2", "f8e5m2fnuz": "f8E5M2FNUZ"}
+# Query/output types. An fp8 dtype is ck_tile's static-quantization path
+# (kDoFp8StaticQuant): fp8 Q, K, V and output, P quantized to fp8 by scale_p,
+# the output by scale_o; K/V then share q's format.
+DTYPES = ("f16", "bf16", "f32") + tuple(FP8_DTYPES)
 MASKS = ("none", "top_left", "bottom_right")
 BIASES = ("none", "alibi", "elementwise")
 # Which axes an elementwise bias has (the others broadcast): "11" is
@@ -26,14 +32,13 @@ BIASES = ("none", "alibi", "elementwise")
 BIAS_SHAPES = ("11", "b1", "1h", "bh")
 FORMULATIONS = ("explicit", "online")
 V_LAYOUTS = ("row", "col")
-# fp8 KV-cache formats (ml_dtypes / MLIR names): OCP e4m3fn/e5m2 (gfx950,
-# NVIDIA) and the fnuz variants (gfx942).
-KV_DTYPES = {"f8e4m3fn": "f8E4M3FN", "f8e4m3fnuz": "f8E4M3FNUZ", "f8e5m2": "f8E5M2", "f8e5m2fnuz": "f8E5M2FNUZ"}
+# fp8 KV caches under fp16/bf16 queries.
+KV_DTYPES = FP8_DTYPES
 
 # The kernels' argument list version. Artifacts built for another one are
 # never loaded (the runtime cannot see template changes otherwise). Bump it
 # whenever a template's signature changes.
-KERNEL_ABI = 3
+KERNEL_ABI = 4
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
@@ -44,7 +49,7 @@ _MASK_TAG = {"none": "nmask", "top_left": "mtl", "bottom_right": "mbr"}
 _TAG_MASK = {v: k for k, v in _MASK_TAG.items()}
 
 _NAME_RE = re.compile(
-    r"^pagedkv_fwd_(?P<dtype>f16|bf16|f32)"
+    r"^pagedkv_fwd_(?P<dtype>f16|bf16|f32|f8e4m3fnuz|f8e4m3fn|f8e5m2fnuz|f8e5m2)"
     r"_d(?P<hdim_q>\d+)x(?P<hdim_v>\d+)"
     r"_h(?P<nhead_q>\d+)x(?P<nhead_k>\d+)"
     r"_pg(?P<page>\d+)(?P<vcol>_vcol)?(?:_kv(?P<kv>f8e4m3fnuz|f8e4m3fn|f8e5m2fnuz|f8e5m2))?"
@@ -87,7 +92,7 @@ class Variant:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
-        if self.kv_dtype and (self.kv_dtype not in KV_DTYPES or self.dtype == "f32"):
+        if self.kv_dtype and (self.kv_dtype not in KV_DTYPES or self.dtype not in ("f16", "bf16")):
             raise ValueError(
                 f"kv_dtype must be one of {sorted(KV_DTYPES)} with fp16/bf16 queries, "
                 f"got kv_dtype={self.kv_dtype!r}, dtype={self.dtype!r}"
@@ -122,6 +127,11 @@ class Variant:
                 raise ValueError(f"the online formulation cannot serve this variant: {reason}")
         if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
             raise ValueError("explicit variants have dynamic batch and query rows")
+
+    @property
+    def static_quant(self) -> bool:
+        """fp8 Q/K/V/output (ck_tile's kDoFp8StaticQuant)."""
+        return self.dtype in FP8_DTYPES
 
     @property
     def per_head_terms(self) -> bool:
@@ -199,6 +209,9 @@ def online_unsupported(problem: dict) -> str | None:
         # IREE 3.13's online_attention gave wrong results (rel err ~1) on the
         # CPU for head dims 160, 192/128 and 256; 128 and below are right.
         return f"head dims {problem['hdim_q']}/{problem['hdim_v']} > 128 compute wrong results in IREE 3.13"
+    if problem["dtype"] in FP8_DTYPES:
+        # Same failure as fp8 KV caches, plus the P/output quantization.
+        return "fp8 static quantization runs in the explicit kernels only"
     if problem.get("kv_dtype"):
         # With the fp8 bytes decoded by integer arithmetic, the online kernels
         # compile for small tiles but not for batch tile 1 (GPU codegen fails
@@ -272,10 +285,11 @@ def host_default_set() -> list[Variant]:
 
     Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
     mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
-    page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches.
+    page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
+    and fp8 (e4m3) static quantization.
     """
     out = []
-    for dtype in DTYPES:
+    for dtype in ("f16", "bf16", "f32"):
         for hd in DEFAULT_HDIMS:
             for nq, nk in DEFAULT_HEADS:
                 for page in DEFAULT_PAGES:
@@ -288,7 +302,18 @@ def host_default_set() -> list[Variant]:
             out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col"))
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
+    out += _static_quant_variants()
     return out
+
+
+def _static_quant_variants() -> list[Variant]:
+    # e4m3 is the inference format (e5m2 is built on request); explicit
+    # formulation on every target (online_unsupported).
+    return [
+        Variant(f8, 128, 128, 32, 8, 16, mask)
+        for f8 in ("f8e4m3fn", "f8e4m3fnuz")
+        for mask in ("none", "bottom_right")
+    ]
 
 
 def gpu_default_set() -> list[Variant]:
@@ -298,7 +323,8 @@ def gpu_default_set() -> list[Variant]:
     and 64); everything else is built on request with --variants. Each
     score-side feature comes for page 16 with the decode b8 tile (no mask)
     and the prefill q128 tile (bottom-right mask), as does column-major V;
-    fp8 (e4m3fn, e4m3fnuz) KV caches come in the explicit formulation.
+    fp8 (e4m3fn, e4m3fnuz) KV caches and static quantization come in the
+    explicit formulation.
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -319,6 +345,7 @@ def gpu_default_set() -> list[Variant]:
             # online_unsupported); it compiles for every GPU target.
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
+    out += _static_quant_variants()
     return out
 
 
