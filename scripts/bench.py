@@ -35,7 +35,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
 from turbine_fmha.api import _bf16  # noqa: E402
-from turbine_fmha.plan import KernelCall, plan_calls  # noqa: E402
+from turbine_fmha import plan as tf_plan  # noqa: E402
+from turbine_fmha.plan import KernelCall, combine_splits, num_splits_heuristic, plan_calls, split_kv  # noqa: E402
 from turbine_fmha.variants import UNBOUNDED, Variant  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
@@ -131,13 +132,20 @@ def feature_variant(dtype, shape, kw, tiles=None):
     return Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1])
 
 
-def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
+def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_splits=1, tiles=None):
+    """Times the kernel calls on device-resident inputs. num_splits > 1 runs
+    split-KV (partials copied back and merged on the host, as the API does);
+    tiles forces an online variant's (batch tile, query rows)."""
     import iree.runtime as rt
 
     q, kc, vc, bt, sk = inputs
     if kw is None:
         kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
-    variant = session.select(feature_variant(dtype, shape, kw), shape["seqlen_q"], shape["batch"])
+    problem = feature_variant(dtype, shape, kw)
+    if num_splits > 1:
+        problem = dict(problem, sinks=False)
+    nb = shape["batch"] * num_splits
+    variant = Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1]) if tiles else session.select(problem, shape["seqlen_q"], nb)
     fn = session._load(variant).function
     device = session._iree_config().device
     left, right = kw.get("window_size_left", -1), kw.get("window_size_right", -1)
@@ -150,13 +158,20 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
         alibi_slopes=None if slopes is None else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),
         bias=kw.get("bias"), sinks=kw.get("sinks"),
     )
+    if num_splits > 1:
+        call = split_kv(call, PAGE, num_splits)
     kc_d = rt.asdevicearray(device, kc)
     vc_d = rt.asdevicearray(device, vc)
     calls = []
-    for args, _place in plan_calls(variant, call):
+    places = []
+    for args, place in plan_calls(variant, call):
         dev = [rt.asdevicearray(device, a) for a in args]
         calls.append([dev[0], kc_d, vc_d, *dev[1:]])
+        places.append(place)
     last = []
+    rows = shape["seqlen_q"]
+    o_parts = np.empty((nb, rows, HQ, D), q.dtype)
+    l_parts = np.empty((nb, HQ, rows), np.float32)
 
     def run():
         last.clear()
@@ -164,8 +179,13 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
             last.append(fn(*args))
 
     def sync():
-        for res in last:
-            res[0].to_host()
+        if num_splits == 1:
+            for res in last:
+                res[0].to_host()
+            return
+        for res, place in zip(last, places):
+            place(o_parts, l_parts, res[0].to_host(), res[1].to_host())
+        combine_splits(o_parts, l_parts, num_splits, kw.get("sinks"))
 
     ms = median_ms(run, repeat, sync=sync)
     api_ms = float("nan")
@@ -175,6 +195,74 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True):
             max(3, repeat // 3), warmup=1,
         )
     return variant, ms, api_ms, len(calls)
+
+
+SPLIT_SHAPES = {
+    "cpu": [dict(name="decode", batch=1, seqlen_q=1, seqlen_k=16384, mask="none"),
+            dict(name="decode", batch=8, seqlen_q=1, seqlen_k=2048, mask="none")],
+    "cuda": [dict(name="decode", batch=1, seqlen_q=1, seqlen_k=32768, mask="none"),
+             dict(name="decode", batch=4, seqlen_q=1, seqlen_k=32768, mask="none"),
+             dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096, mask="none")],
+}
+
+
+def bench_split_kv(session, rng, dtype, repeat, no_torch):
+    """Decode with 1 split, the automatic count, and a few others."""
+    rows = []
+    for shape in SPLIT_SHAPES[session.device]:
+        inputs = make_inputs(rng, shape, dtype)
+        b, sk = shape["batch"], shape["seqlen_k"]
+        auto = num_splits_heuristic(b * HK, session.compute_units, sk)
+        base = float("nan") if no_torch else bench_torch(shape, inputs, dtype, session.device, repeat)[0]
+        kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
+        for n in sorted({1, auto, 4, 16}):
+            _, ms, _, ncalls = bench_ours(session, shape, inputs, dtype, repeat, api=False, num_splits=n)
+            row = dict(table="split_kv", device=session.device, dtype=dtype, batch=b, seqlen_k=sk, num_splits=n,
+                       auto=n == auto, kernel_calls=ncalls, ours_ms=round(ms, 3), gbs=round(kv_bytes / (ms * 1e-3) / 1e9, 1),
+                       baseline_ms=round(base, 3))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print()
+    print("| shape | num_splits | ms | KV GB/s | torch gather+SDPA ms |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| decode b{r['batch']} sk{r['seqlen_k']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} | {r['ours_ms']:.2f} | {r['gbs']:.0f} | {r['baseline_ms']:.2f} |")
+    return rows
+
+
+def bench_block_skipping(session, rng, dtype, repeat):
+    """Causal prefill computing every block vs skipping those past the
+    diagonal (CPU: row chunks of MASKED_CHUNK_ROWS; GPU: q128 tiles vs one
+    4096-row tile)."""
+    shape = SHAPES[session.device][1]
+    inputs = make_inputs(rng, shape, dtype)
+    flops = 4.0 * shape["batch"] * HQ * D * visible_elements(shape["seqlen_q"], shape["seqlen_k"], shape["mask"])
+    rows = []
+    if session.device == "cpu":
+        configs = [("one chunk, no skipping", dict(chunk=1 << 30)), ("32-row chunks", dict(chunk=32)),
+                   ("64-row chunks", dict(chunk=64)),
+                   ("128-row chunks", dict(chunk=128)), ("256-row chunks", dict(chunk=256))]
+    else:
+        from turbine_fmha.variants import GPU_PREFILL_TILES
+
+        configs = [(f"tile b{bt} q{mq}", dict(tiles=(bt, mq))) for bt, mq in GPU_PREFILL_TILES]
+    saved = tf_plan.MASKED_CHUNK_ROWS
+    try:
+        for label, cfg in configs:
+            tf_plan.MASKED_CHUNK_ROWS = cfg.get("chunk", saved)
+            variant, ms, _, ncalls = bench_ours(session, shape, inputs, dtype, repeat, api=False, tiles=cfg.get("tiles"))
+            row = dict(table="block_skipping", device=session.device, dtype=dtype, config=label, variant=variant.name,
+                       kernel_calls=ncalls, ours_ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 4))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        tf_plan.MASKED_CHUNK_ROWS = saved
+    print()
+    print(f"| prefill b{shape['batch']} sq{shape['seqlen_q']} causal | calls | ms | TFLOP/s |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['kernel_calls']} | {r['ours_ms']:.2f} | {r['tflops']:.3g} |")
+    return rows
 
 
 def bench_features(session, rng, dtype, repeat):
@@ -276,6 +364,10 @@ def verify(session, rng, dtypes):
         "sinks": lambda b, sq, sks: dict(sinks=rng.uniform(-1, 2, HQ).astype(np.float32)),
     }
     feats["fp8 KV (e4m3fn)"] = "fp8"
+    feats["fp8 static quant (e4m3fn)"] = "squant"
+    # Split-KV: forced and automatic, long and empty sequences.
+    cases.append(("f16", 1, [3000, 17, 0, 1500], dict(mask_type="none", num_splits=5), "split-kv 5"))
+    cases.append(("f16", 1, [20000], dict(mask_type="bottom_right", window_size_right=0), "split-kv auto"))
     for fname, make in feats.items():
         cases.append(("f16", 1, [300, 17, 1, 0, 45], dict(mask_type="none", _feature=make), fname))
         cases.append(("f16", 150, [200, 150], dict(mask_type="bottom_right", window_size_right=0, _feature=make), fname))
@@ -284,7 +376,7 @@ def verify(session, rng, dtypes):
         kw = dict(kw)
         make = kw.pop("_feature", None)
         b = len(sks)
-        if make and make != "fp8":
+        if callable(make):
             kw.update(make(b, sq, sks))
         width = max(-(-s // PAGE) for s in sks) + 2
         num_pages = sum(-(-s // PAGE) for s in sks) + 4
@@ -305,16 +397,29 @@ def verify(session, rng, dtypes):
             kc = (kc.astype(np.float32) / 0.05).astype(ml_dtypes.float8_e4m3fn)
             vc = (vc.astype(np.float32) / 0.08).astype(ml_dtypes.float8_e4m3fn)
         q = rng.standard_normal((b, sq, HQ, D)).astype(dt)
+        if make == "squant":
+            import ml_dtypes
+
+            f8 = ml_dtypes.float8_e4m3fn
+            top = float(ml_dtypes.finfo(f8).max)
+            scales = [float(np.abs(x.astype(np.float32)).max()) / top for x in (q, kc, vc)]
+            q, kc, vc = ((x.astype(np.float32) / s_).astype(f8) for x, s_ in zip((q, kc, vc), scales))
+            kw.update(q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], out_scale=0.01)
         if label == "soft-cap":
             q = q * np.asarray(4, dt)
         sk = np.array(sks, np.int32)
         out, lse = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, return_lse=True, session=session, device=session.device, **kw)
-        ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **kw)
+        ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **{k: a for k, a in kw.items() if k != "num_splits"})
         err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
         fin = np.isfinite(ref_lse)
         lerr = float(np.abs(lse[fin] - ref_lse[fin]).max())
         inf_ok = bool(np.array_equal(np.isneginf(lse), ~fin))
         tol = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}[dtype]
+        if make == "squant":
+            # fp8 output vs the reference's fp8 value: the fraction that
+            # differs at all (tests/test_fp8.py bounds it by 1%, one step).
+            err = float(np.count_nonzero(out.astype(np.float64) != ref) / ref.size)
+            tol = 0.01
         ok = err <= tol and lerr <= 3e-2 and inf_ok
         rows.append(dict(dtype=dtype, seqlen_q=sq, mask=kw["mask_type"], feature=label, rel_err=err, lse_abs_err=lerr, ok=ok))
         print(f"verify {session.device} {dtype} sq={sq} {kw['mask_type']} {label}: rel err {err:.2e}, lse err {lerr:.2e}, -inf rows ok {inf_ok} -> {'OK' if ok else 'FAIL'}", flush=True)
@@ -333,6 +438,8 @@ def main() -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--features", action="store_true", help="also time each score-side feature vs plain causal (fp16)")
     ap.add_argument("--list-feature-variants", action="store_true", help="print the variants --features needs, then exit")
+    ap.add_argument("--split-kv", action="store_true", help="also time decode with split-KV at several split counts")
+    ap.add_argument("--block-skipping", action="store_true", help="also time causal prefill with and without masked-block skipping")
     args = ap.parse_args()
     if args.list_feature_variants:
         print(",".join(feature_variant_names(args.device)))
@@ -406,6 +513,12 @@ def main() -> int:
     if args.features:
         print()
         rows += bench_features(session, rng, "f16", repeat)
+    if args.split_kv:
+        print()
+        rows += bench_split_kv(session, rng, dtypes[0], repeat, args.no_torch)
+    if args.block_skipping:
+        print()
+        rows += bench_block_skipping(session, rng, dtypes[0], repeat)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

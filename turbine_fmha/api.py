@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-from .plan import KernelCall, plan_calls
+from .plan import KernelCall, bias_in_table_rows, combine_splits, num_splits_heuristic, plan_calls, split_kv
 from .runtime import Session, default_session
 from .variants import UNBOUNDED
 
@@ -137,6 +137,7 @@ def fmha_fwd_paged(
     v_scale=None,
     p_scale=None,
     out_scale=None,
+    num_splits=None,
     return_lse=False,
     device="cpu",
     session: Session | None = None,
@@ -208,6 +209,12 @@ def fmha_fwd_paged(
         saturate(fp8(out / out_scale)); default 1. In ck_tile's terms, scale_s
         = scale * q_scale * k_scale and scale_o = v_scale / (p_scale *
         out_scale). LSE is of the dequantized scores, unaffected.
+      num_splits: split-KV. Each sequence's keys are cut into num_splits runs
+        of pages computed as separate work items, then merged by their LSEs
+        (in f32; the partial outputs are rounded to q's dtype once). None
+        (default) chooses from batch * nhead_k * query blocks against the
+        session's compute_units (ck_tile's heuristic; splits of >= 512
+        keys); 1 disables. Not with fp8 q.
       return_lse: also return LSE (float32, natural log); -inf for rows with
         no visible key (whose output is 0).
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
@@ -395,6 +402,10 @@ def fmha_fwd_paged(
         if sinks_a.shape != (nhead_q,):
             raise ValueError(f"sinks must have shape [nhead_q] = [{nhead_q}], got {list(sinks_a.shape)}")
         sinks_a = np.ascontiguousarray(sinks_a, np.float32)
+    if num_splits is not None:
+        num_splits = _check_int(num_splits, "num_splits", minimum=1)
+        if num_splits > 1 and squant:
+            raise ValueError("num_splits > 1 cannot be combined with fp8 q (the partial outputs would be fp8)")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     out_shape = q.shape[:-1] + (hdim_v,)
@@ -443,15 +454,6 @@ def fmha_fwd_paged(
                 qb[i, : seqlens_q[b]] = q[seqstart[b] : seqstart[b + 1]]
         else:
             qb = np.ascontiguousarray(q)
-        bias_b = None
-        if bias_a is not None:
-            if group:
-                bias_b = np.zeros((active.size, bias_a.shape[0], rows, bias_a.shape[2]), np.float32)
-                for i, b in enumerate(active):
-                    bias_b[i, :, : seqlens_q[b]] = bias_a[:, seqstart[b] : seqstart[b + 1]]
-            else:
-                bias_b = bias_a
-            problem["bias_shape"] = ("b" if bias_b.shape[0] != 1 else "1") + ("h" if bias_b.shape[1] != 1 else "1")
         # Gappy KV: drop whole pages in front of each sequence's first key;
         # the remainder (< page) is the kernel's kv_shift.
         shift = (offsets - first_page * page)[active]
@@ -460,7 +462,19 @@ def fmha_fwd_paged(
         for i, b in enumerate(active):
             n = int(end_page[b] - first_page[b])
             bt[i, :n] = block_table[b, first_page[b] : end_page[b]]
-        variant = session.select(problem, rows, active.size)
+        bias_b = None
+        if bias_a is not None:
+            if group:
+                bias_b = np.zeros((active.size, bias_a.shape[0], rows, bias_a.shape[2]), np.float32)
+                for i, b in enumerate(active):
+                    bias_b[i, :, : seqlens_q[b]] = bias_a[:, seqstart[b] : seqstart[b + 1]]
+            else:
+                bias_b = bias_a
+            if shift.any():
+                # The kernels index the bias by gathered row, which gappy KV
+                # shifts per sequence: re-lay it out (per sequence).
+                bias_b = bias_in_table_rows(bias_b, shift, width * page)
+            problem["bias_shape"] = ("b" if bias_b.shape[0] != 1 else "1") + ("h" if bias_b.shape[1] != 1 else "1")
         call = KernelCall(
             q=qb.view(np.int8) if squant else qb,  # fp8 travels as i8
             block_table=bt,
@@ -487,10 +501,35 @@ def fmha_fwd_paged(
             lse_b = np.empty((active.size, nhead_q, rows), np.float32)
         else:
             out_b, lse_b = out, lse
-        out_k = out_b.view(np.int8) if squant else out_b
-        for args, place in plan_calls(variant, call):
-            o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
-            place(out_k, lse_b, o, l)
+        if num_splits is None:
+            keys = int(seqlen_k[active].max())
+            # Work items: sequences x KV heads x 64-row query blocks. Per KV
+            # head, not query head: on the H200 the decode kernels filled
+            # the GPU at batch x nhead_k ~ #SMs (docs/perf-notes.md).
+            work = active.size * nhead_k * -(-rows // 64)
+            splits = 1 if squant else num_splits_heuristic(work, session.compute_units, keys)
+        else:
+            splits = num_splits
+        splits = min(splits, width)
+        if splits == 1:
+            variant = session.select(problem, rows, active.size)
+            out_k = out_b.view(np.int8) if squant else out_b
+            for args, place in plan_calls(variant, call):
+                o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
+                place(out_k, lse_b, o, l)
+        else:
+            # Split-KV: partial results per run of pages (sinks left out),
+            # merged by their LSEs.
+            parts = split_kv(call, page, splits)
+            variant = session.select(dict(problem, sinks=False), rows, parts.q.shape[0])
+            o_parts = np.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
+            l_parts = np.empty((parts.q.shape[0], nhead_q, rows), np.float32)
+            for args, place in plan_calls(variant, parts):
+                o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
+                place(o_parts, l_parts, o, l)
+            o_c, l_c = combine_splits(o_parts, l_parts, splits, sinks_a)
+            out_b[...] = o_c.astype(q.dtype)
+            lse_b[...] = l_c
         if group:
             for i, b in enumerate(active):
                 s0, s1 = seqstart[b], seqstart[b + 1]

@@ -8,14 +8,25 @@ variant's tiles. The caches are not part of the plan: they are passed as is.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-from .variants import Variant
+from .variants import UNBOUNDED, Variant
 
 # The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
 # plus probabilities; query rows are chunked to keep that under this size.
 SCORE_BYTES_BUDGET = 256 << 20
+# With a mask that has a right edge (causal, local windows), query rows are
+# also chunked this finely, and each chunk's block table is cut after the
+# last page its rows can see: the fully masked blocks past the diagonal are
+# never computed (ck_tile skips them the same way). On the 2-core CPU, a
+# 512-token causal prefill took 43 ms in one chunk, 36 / 26 / 20 ms in
+# 256 / 128 / 64-row chunks (docs/benchmarks.md).
+MASKED_CHUNK_ROWS = 64
+# Split-KV: a split covers at least this many keys.
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
 
 
 @dataclasses.dataclass
@@ -66,7 +77,7 @@ def plan_calls(variant: Variant, c: KernelCall):
     def iparams(s):
         return np.array([s, c.left, c.right, c.sink_size], np.int32)
 
-    def extras(b0, b1, s, e, bt_pad=None, mq=None):
+    def extras(b0, b1, s, e, bt_pad=None, mq=None, nk=None):
         out = []
         if c.alibi_slopes is not None:
             a = c.alibi_slopes[b0:b1]
@@ -75,7 +86,7 @@ def plan_calls(variant: Variant, c: KernelCall):
             out.append(np.ascontiguousarray(a))
         if bias is not None:
             bb = bias[b0:b1] if bias.shape[0] != 1 else bias
-            bb = bb[:, :, s:e]
+            bb = bb[:, :, s:e, :nk]
             if bt_pad:
                 if bias.shape[0] != 1:
                     bb = _pad_rows(bb, bt_pad)
@@ -85,10 +96,18 @@ def plan_calls(variant: Variant, c: KernelCall):
             out.append(c.sinks)
         return out
 
+    def table(b0, b1, s, e, rows_bt):
+        # The block table (and bias) cut after the last page that query rows
+        # [s, e) of sequences b0:b1 can see.
+        w = _pages_needed(variant, c, b0, b1, e, rows_bt.shape[1])
+        return np.ascontiguousarray(rows_bt[:, :w]), w * variant.page_block_size
+
     if variant.formulation == "explicit":
         # f32 scores plus probabilities in q's type (f16 for fp8 q).
         per_row = batch * q.shape[2] * nk * (4 + max(2, q.itemsize))
         chunk = max(1, SCORE_BYTES_BUDGET // max(1, per_row))
+        if _has_right_edge(variant, c):
+            chunk = min(chunk, MASKED_CHUNK_ROWS)
         for s in range(0, rows, chunk):
             e = min(rows, s + chunk)
 
@@ -96,8 +115,9 @@ def plan_calls(variant: Variant, c: KernelCall):
                 out[:, s:e] = o
                 lse[:, :, s:e] = l
 
-            args = [np.ascontiguousarray(q[:, s:e]), bt, sq, sk, ks, fparams, iparams(s)]
-            yield args + extras(0, batch, s, e), place
+            bt_s, nk_s = table(0, batch, s, e, bt)
+            args = [np.ascontiguousarray(q[:, s:e]), bt_s, sq, sk, ks, fparams, iparams(s)]
+            yield args + extras(0, batch, s, e, nk=nk_s), place
         return
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
     for b0 in range(0, batch, bt_t):
@@ -115,8 +135,9 @@ def plan_calls(variant: Variant, c: KernelCall):
                 out[b0:b1, s:e] = o[:nb, : e - s]
                 lse[b0:b1, :, s:e] = l[:nb, :, : e - s]
 
-            args = [q_pad, bt_pad, sq_pad, sk_pad, ks_pad, fparams, iparams(s)]
-            yield args + extras(b0, b1, s, e, bt_t, mq), place
+            bt_s, nk_s = table(b0, b1, s, e, bt_pad)
+            args = [q_pad, bt_s, sq_pad, sk_pad, ks_pad, fparams, iparams(s)]
+            yield args + extras(b0, b1, s, e, bt_t, mq, nk=nk_s), place
 
 
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
@@ -133,3 +154,111 @@ def _pad_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
     idx[axis] = slice(0, a.shape[axis])
     out[tuple(idx)] = a
     return out
+
+
+def _has_right_edge(variant: Variant, c: KernelCall) -> bool:
+    return variant.mask != "none" and c.right < UNBOUNDED
+
+
+def _pages_needed(variant: Variant, c: KernelCall, b0: int, b1: int, row_end: int, width: int) -> int:
+    """Table columns that query rows below `row_end` of sequences b0:b1 can
+    reach: with a right mask edge, key t is visible only if t <= i + shift +
+    right (sink tokens too, IsOutOfSinkBound), so later pages are skipped."""
+    b1 = min(b1, c.seqlen_k.shape[0])
+    if not _has_right_edge(variant, c) or b1 <= b0:
+        return width
+    sq = c.seqlen_q[b0:b1].astype(np.int64)
+    sk = c.seqlen_k[b0:b1].astype(np.int64)
+    shift = sk - sq if variant.mask == "bottom_right" else 0
+    keys = np.clip(row_end + shift + c.right, 0, sk)  # keys t < keys are reachable
+    rows = keys + c.kv_shift[b0:b1].astype(np.int64)  # gathered rows n < rows
+    page = variant.page_block_size
+    return int(min(width, max(1, -(-int(rows.max()) // page))))
+
+
+def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.ndarray:
+    """The kernels index a bias by gathered row n = t + kv_shift[b]; callers
+    give it by key t. Returns [batch, h, rows, nk] f32 with bias[b, h, i, t]
+    at n = t + kv_shift[b] (zero where no key lands: those rows are masked)."""
+    batch = kv_shift.shape[0]
+    out = np.zeros((batch, bias.shape[1], bias.shape[2], nk), np.float32)
+    for b in range(batch):
+        src = bias[b if bias.shape[0] != 1 else 0]
+        n0 = int(kv_shift[b])
+        t0 = max(0, -n0)
+        t1 = min(src.shape[-1], nk - n0)
+        if t1 > t0:
+            out[b, :, :, t0 + n0 : t1 + n0] = src[:, :, t0:t1]
+    return out
+
+
+def num_splits_heuristic(work_items: int, units: int, keys: int) -> int:
+    """ck_tile's num_splits_heuristic: with fewer work items than ~0.8x the
+    device's compute units, split the keys so that the grid fills the device:
+    the smallest split count within 85% of the best wave efficiency. Splits
+    stay at least MIN_KEYS_PER_SPLIT keys long."""
+    if work_items >= 0.8 * units:
+        return 1
+    max_splits = max(1, min(MAX_SPLITS, units, keys // MIN_KEYS_PER_SPLIT))
+    eff = []
+    for n in range(1, max_splits + 1):
+        waves = work_items * n / units
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    return next(n for n, e in enumerate(eff, 1) if e >= 0.85 * best)
+
+
+def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
+    """The call as n partial calls over disjoint runs of block-table columns,
+    stacked as batch entries b * n + j. Entry (b, j) keeps absolute key
+    positions (kv_shift - first column * page, which may be negative), so
+    masks and ALiBi are unchanged, and every key lands in exactly one split.
+    Sinks are left to combine_splits."""
+    batch, width = c.block_table.shape
+    per = -(-width // n)
+    bt = np.zeros((batch * n, per), np.int32)
+    shift = np.empty(batch * n, np.int64)
+    for j in range(n):
+        cols = c.block_table[:, j * per : (j + 1) * per]
+        bt[j::n, : cols.shape[1]] = cols
+        shift[j::n] = c.kv_shift.astype(np.int64) - j * per * page
+    bias = None
+    if c.bias is not None:
+        # Bias columns are gathered rows (bias_in_table_rows); entry (b, j)
+        # reads its split's columns.
+        full = _pad_axis(c.bias, 3, max(c.bias.shape[3], width * page))
+        full = np.broadcast_to(full, (batch,) + full.shape[1:])
+        bias = np.zeros((batch * n,) + full.shape[1:3] + (per * page,), np.float32)
+        for j in range(n):
+            piece = full[..., j * per * page : (j + 1) * per * page]
+            bias[j::n, ..., : piece.shape[-1]] = piece
+
+    def rep(a):
+        return None if a is None else np.repeat(a, n, axis=0)
+
+    return dataclasses.replace(
+        c, q=rep(c.q), block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
+        kv_shift=shift.astype(np.int32), alibi_slopes=rep(c.alibi_slopes), bias=bias, sinks=None,
+    )
+
+
+def combine_splits(o: np.ndarray, l: np.ndarray, n: int, sinks: np.ndarray | None):
+    """Merges the partial results of split_kv (o [batch * n, rows, hq, dv],
+    l [batch * n, hq, rows]) by their LSEs in f32, adding the sinks once.
+    Returns (out f32 [batch, rows, hq, dv], lse f32 [batch, hq, rows])."""
+    bn, rows, hq, dv = o.shape
+    o = o.reshape(bn // n, n, rows, hq, dv).astype(np.float32)
+    l = l.reshape(bn // n, n, hq, rows)
+    m = l.max(axis=1)
+    m0 = np.where(np.isfinite(m), m, 0.0).astype(np.float32)
+    w = np.exp(l - m0[:, None])  # a split without visible keys weighs 0
+    tot = w.sum(axis=1)
+    with np.errstate(divide="ignore"):
+        lse = np.where(tot > 0, m0 + np.log(np.where(tot > 0, tot, 1.0)), -np.inf).astype(np.float32)
+    wn = w / np.where(tot > 0, tot, 1.0)[:, None]
+    out = np.einsum("bjhr,bjrhd->brhd", wn, o).astype(np.float32)
+    if sinks is not None:
+        lse_s = np.logaddexp(lse, sinks.astype(np.float32)[None, :, None])
+        out *= np.exp(lse - lse_s).transpose(0, 2, 1)[..., None]
+        lse = lse_s
+    return out, lse

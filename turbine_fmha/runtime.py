@@ -70,6 +70,9 @@ class Session:
       compile_missing: when a variant has no artifact, compile it into
         `cache_dir` (needs iree-base-compiler and iree-turbine) instead of
         raising. Off by default: services should ship prebuilt artifacts.
+      compute_units: what automatic split-KV fills (fmha_fwd_paged
+        num_splits=None): CPU worker threads, GPU SMs/CUs (default:
+        DEFAULT_COMPUTE_UNITS).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Session:
         compile_missing: bool = False,
         cache_dir: str | os.PathLike | None = None,
         formulation: str | None = None,
+        compute_units: int | None = None,
     ):
         if device not in DEVICE_DEFAULT_TARGET:
             raise ValueError(
@@ -95,6 +99,9 @@ class Session:
         self.formulation = formulation or self.target.formulation
         self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
         self.compile_missing = compile_missing
+        if compute_units is not None and (isinstance(compute_units, bool) or not isinstance(compute_units, int) or compute_units < 1):
+            raise ValueError(f"compute_units must be a positive int, got {compute_units!r}")
+        self.compute_units = compute_units or (cpu_threads() if device == "cpu" else DEFAULT_COMPUTE_UNITS[device])
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self._lock = threading.RLock()
         self._loaded: dict[str, _Loaded] = {}
@@ -289,15 +296,23 @@ def _set_cpu_topology_once() -> None:
         return
     import iree.runtime as rt
 
+    rt.flags.parse_flags(f"--task_topology_group_count={cpu_threads()}")
+    _TOPOLOGY_SET = True
+
+
+def cpu_threads() -> int:
     env = os.environ.get(ENV_CPU_THREADS)
     if env:
-        n = int(env)
-    elif hasattr(os, "sched_getaffinity"):
-        n = len(os.sched_getaffinity(0))
-    else:
-        n = os.cpu_count() or 1
-    rt.flags.parse_flags(f"--task_topology_group_count={max(1, n)}")
-    _TOPOLOGY_SET = True
+        return max(1, int(env))
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+# Compute units the split-KV heuristic fills, per device: CPU workers; SMs of
+# an H100/H200 (132); CUs of an MI300X (304). The IREE runtime does not
+# report them, so a service on other hardware sets Session(compute_units=).
+DEFAULT_COMPUTE_UNITS = {"cuda": 132, "hip": 304}
 
 
 _DEFAULT_SESSIONS: dict[str, Session] = {}
