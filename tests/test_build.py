@@ -148,6 +148,10 @@ def test_gpu_default_set_compiles(target):
     assert {v.name for v in gpu_default_set()} <= set(entries)
     for v in gpu_default_set():
         isa = entries[v.name]["isa"]
+        if target == "cuda" and v.formulation == "online":
+            # turbine_fmha.tuning's configuration applies to every online
+            # attention dispatch (falling back would be silent otherwise).
+            assert isa["attention_config"].startswith("tuned"), (v.name, isa["attention_config"])
         if target == "cuda":
             if v.seqlen_q_tile > 1 and not _per_head(v):
                 assert isa["mma_count"] > 0, v.name
@@ -208,3 +212,23 @@ def test_artifacts_of_another_kernel_abi_are_not_loaded(built, tmp_path, rng):
     s = turbine_fmha.Session("cpu", artifact_dir=d)
     stale = json.loads((d / "manifest.json").read_text())["artifacts"][0]["variant"]
     assert Variant.parse(stale) not in s.available_variants()
+
+
+def test_tuning_untiles_the_attention_head_dim():
+    """turbine_fmha.tuning edits the workgroup tile of the output head dim
+    (in V's and the output's maps, not in Q's) and nothing else."""
+    from turbine_fmha.tuning import untile_head_dim
+
+    maps = ", ".join(
+        f"affine_map<(d0, d1, d2, d3, d4) -> ({r})>"
+        for r in ("d0, d1, d3", "d0, d4, d3", "d0, d4, d2", "", "d0, d1, d4", "d0, d1, d2", "d0, d1", "d0, d1")
+    )
+    text = (
+        f"%r = iree_linalg_ext.online_attention <indexing_maps = [{maps}], decomposition_config = "
+        "{qk_attrs = {lowering_config = #iree_gpu.lowering_config<{thread = [0, 8]}>}}> "
+        "{lowering_config = #iree_gpu.lowering_config<{partial_reduction = [0, 0, 0, 0, 16], workgroup = [1, 64, 32, 0, 0]}>} ins("
+    )
+    edited = untile_head_dim(text)
+    assert edited == text.replace("workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]")
+    assert untile_head_dim(edited) is None  # already whole
+    assert untile_head_dim("linalg.generic") is None

@@ -14,7 +14,16 @@ import numbers
 
 import numpy as np
 
-from .plan import KernelCall, bias_in_table_rows, combine_splits, num_splits_heuristic, plan_calls, split_kv
+from .plan import (
+    KernelCall,
+    bias_in_table_rows,
+    combine_splits,
+    fill_unused_slots,
+    num_splits_heuristic,
+    plan_calls,
+    split_kv,
+    stale_v_rows_finite,
+)
 from .runtime import Session, default_session
 from .variants import UNBOUNDED
 
@@ -459,9 +468,10 @@ def fmha_fwd_paged(
         shift = (offsets - first_page * page)[active]
         width = max(1, int((end_page - first_page)[active].max()))
         bt = np.zeros((active.size, width), np.int32)
+        n_used = (end_page - first_page)[active]
         for i, b in enumerate(active):
-            n = int(end_page[b] - first_page[b])
-            bt[i, :n] = block_table[b, first_page[b] : end_page[b]]
+            bt[i, : n_used[i]] = block_table[b, first_page[b] : end_page[b]]
+        fill_unused_slots(bt, n_used)
         bias_b = None
         if bias_a is not None:
             if group:
@@ -501,6 +511,15 @@ def fmha_fwd_paged(
             lse_b = np.empty((active.size, nhead_q, rows), np.float32)
         else:
             out_b, lse_b = out, lse
+        # Variants without the V guard (GPU) need the value rows that hold
+        # no key to be finite; checking costs a look at one or two pages per
+        # sequence.
+        stale_v_finite = (
+            session._formulation_for(problem) == "online"
+            and v_layout == "row"
+            and not kv_fp8
+            and stale_v_rows_finite(v_cache, bt, call.seqlen_k, call.kv_shift, page)
+        )
         if num_splits is None:
             keys = int(seqlen_k[active].max())
             # Work items: sequences x KV heads x 64-row query blocks. Per KV
@@ -512,7 +531,7 @@ def fmha_fwd_paged(
             splits = num_splits
         splits = min(splits, width)
         if splits == 1:
-            variant = session.select(problem, rows, active.size)
+            variant = session.select(problem, rows, active.size, stale_v_finite)
             out_k = out_b.view(np.int8) if squant else out_b
             for args, place in plan_calls(variant, call):
                 o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
@@ -521,7 +540,7 @@ def fmha_fwd_paged(
             # Split-KV: partial results per run of pages (sinks left out),
             # merged by their LSEs.
             parts = split_kv(call, page, splits)
-            variant = session.select(dict(problem, sinks=False), rows, parts.q.shape[0])
+            variant = session.select(dict(problem, sinks=False), rows, parts.q.shape[0], stale_v_finite)
             o_parts = np.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
             l_parts = np.empty((parts.q.shape[0], nhead_q, rows), np.float32)
             for args, place in plan_calls(variant, parts):

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import tuning
 from .targets import Target, get_target
 from .variants import KERNEL_ABI, Variant, gpu_default_set, host_default_set, target_unsupported
 
@@ -154,35 +155,64 @@ class BuildResult:
 
 def source_hash(mlir: str, target: Target, version: str) -> str:
     h = hashlib.sha256()
-    for part in (mlir, "\0".join(target.flags), version):
+    tuned = f"tuning {tuning.VERSION}" if target.kind in tuning.KINDS else ""
+    for part in (mlir, "\0".join(target.flags), version, tuned):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
+def _run_compile(mlir_path: Path, target: Target, extra: list[str], out: Path) -> tuple[float, str]:
+    cmd = [iree_compile_path(), str(mlir_path), *target.flags, *extra, "-o", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0 or "error:" in proc.stderr:
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"iree-compile failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return seconds, proc.stderr
+
+
 def _compile_one(mlir_path: Path, vmfb_path: Path, target: Target) -> tuple[float, dict, str]:
-    with tempfile.TemporaryDirectory(prefix="turbine-fmha-dump-") as dump:
-        cmd = [
-            iree_compile_path(),
-            str(mlir_path),
-            *target.flags,
-            f"--iree-hal-dump-executable-files-to={dump}",
-            "-o",
-            str(vmfb_path) + ".partial",
-        ]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        stderr = proc.stderr
-        if proc.returncode != 0 or "error:" in stderr:
-            Path(str(vmfb_path) + ".partial").unlink(missing_ok=True)
-            raise RuntimeError(f"iree-compile failed (exit {proc.returncode}):\n{stderr[-4000:]}")
+    partial = Path(str(vmfb_path) + ".partial")
+    with tempfile.TemporaryDirectory(prefix="turbine-fmha-dump-") as tmp:
+        tmp = Path(tmp)
+        dump = tmp / "files"
+        extra: list[str] = []
+        seconds = 0.0
+        attention_config = "IREE default"
+        if target.kind in tuning.KINDS:
+            # Pass 1: IREE's own configurations, then the tuned attention
+            # configuration substituted in pass 2 (turbine_fmha.tuning).
+            configs, edited = tmp / "configs", tmp / "edited"
+            edited.mkdir()
+            seconds, _ = _run_compile(
+                mlir_path, target,
+                ["--compile-to=executable-configurations", f"--iree-hal-dump-executable-configurations-to={configs}"],
+                tmp / "configured.mlir",
+            )
+            extra = tuning.substitution_flags(configs, edited)
+        dump_flag = f"--iree-hal-dump-executable-files-to={dump}"
+        try:
+            t, stderr = _run_compile(mlir_path, target, [*extra, dump_flag], partial)
+            if extra:
+                attention_config = f"tuned v{tuning.VERSION}: head dim untiled"
+        except RuntimeError:
+            if not extra:
+                raise
+            # The tuned configuration did not compile for this variant: keep
+            # IREE's own (slower, but a kernel).
+            t, stderr = _run_compile(mlir_path, target, [dump_flag], partial)
+            attention_config = "IREE default (tuned configuration failed to compile)"
+        seconds += t
         report: dict = {}
         if target.kind == "rocm":
-            report = rocm_isa_report(Path(dump), target.name)
+            report = rocm_isa_report(dump, target.name)
         elif target.kind == "cuda":
-            report = cuda_isa_report(Path(dump))
-        os.replace(str(vmfb_path) + ".partial", vmfb_path)
+            report = cuda_isa_report(dump)
+        if target.kind != "cpu":
+            report["attention_config"] = attention_config
+        os.replace(partial, vmfb_path)
         return seconds, report, stderr
 
 

@@ -77,7 +77,8 @@ _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()} | {torch.int8: "i8"}
 _SIGNATURE_ARGS = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor seqlen_q, Tensor seqlen_k, Tensor kv_shift, Tensor fparams, Tensor iparams, "
-    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout, str kv_dtype"
+    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout, str kv_dtype, "
+    "int v_guard"
 )
 _N_FIXED = 9  # tensors every variant takes
 _OPTIONAL = (9, 10, 11)  # alibi_slopes, bias, sinks
@@ -95,6 +96,7 @@ class _PagedKVFwd(CustomOp):
         ksel.attr_int(13)
         ksel.attr_str(14)
         ksel.attr_str(15)
+        ksel.attr_int(16)
         torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
         # fp8 travels as int8; attr 15 names the format (of K/V, and of Q and
         # the output when q is int8: static quantization).
@@ -149,6 +151,7 @@ class _PagedKVFwd(CustomOp):
             VCOL=ksel.arg_descs[14].v == "col",
             KV_DT=FP8_DTYPES.get(ksel.arg_descs[15].v, ""),
             QF8=q.dtype == torch.int8,
+            V_GUARD=bool(ksel.arg_descs[16].v),
             PAGE=kc.shape[1],
             mask=ksel.arg_descs[12].v,
             SOFTCAP=bool(ksel.arg_descs[13].v),
@@ -171,6 +174,8 @@ class _PagedKVFwd(CustomOp):
         )
         if self.static_rows:
             func_name += f"_b{p['BT']}_q{p['MQ']}"
+        if not p["V_GUARD"]:
+            func_name += "_nvguard"
         func = _TEMPLATES.inline_template_function(
             kb, self.template, func_name, func_name=func_name, **p
         )
@@ -250,6 +255,7 @@ def example_args(v: Variant) -> list:
         int(v.softcap),
         v.v_layout,
         v.dtype if v.static_quant else v.kv_dtype,
+        int(v.v_guard),
     ]
 
 

@@ -216,7 +216,9 @@ def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
     Sinks are left to combine_splits."""
     batch, width = c.block_table.shape
     per = -(-width // n)
-    bt = np.zeros((batch * n, per), np.int32)
+    # Columns past the table's width repeat each row's first page (a page
+    # the sequence owns; see fill_unused_slots).
+    bt = np.repeat(c.block_table[:, :1], n, axis=0).repeat(per, axis=1).astype(np.int32)
     shift = np.empty(batch * n, np.int64)
     for j in range(n):
         cols = c.block_table[:, j * per : (j + 1) * per]
@@ -262,3 +264,45 @@ def combine_splits(o: np.ndarray, l: np.ndarray, n: int, sinks: np.ndarray | Non
         out *= np.exp(lse - lse_s).transpose(0, 2, 1)[..., None]
         lse = lse_s
     return out, lse
+
+
+def stale_v_rows_finite(v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
+                        kv_shift: np.ndarray, page: int) -> bool:
+    """Whether the value rows that a kernel reads but that hold no key are
+    finite, so that a variant without the V guard gives exact results.
+
+    Those rows are the tail of each sequence's last page (past seqlen_k) and,
+    with gappy KV, the head of its first page (before kv_shift). Unused
+    table slots never count: the runtime points them at the sequence's own
+    first page (fill_unused_slots), and a sequence without keys has its
+    output forced to 0 anyway. v_cache is row-major [pages, page, hk, dv].
+    """
+    sk = seqlen_k.astype(np.int64)
+    ks = kv_shift.astype(np.int64)
+    rows = np.arange(page)[None, :]
+    have = sk > 0
+    if not have.any():
+        return True
+    last_col = (ks + sk - 1) // page
+    b = np.nonzero(have)[0]
+    last = block_table[b, last_col[b]]
+    tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
+    first = block_table[b, 0]
+    head = rows < ks[b][:, None]  # rows before the first key (first page)
+    for pages, sel in ((last, tail), (first, head)):
+        if sel.any():
+            vals = v_cache[pages][sel]  # [n_rows, hk, dv]
+            if not np.isfinite(vals.astype(np.float32, copy=False)).all():
+                return False
+    return True
+
+
+def fill_unused_slots(block_table: np.ndarray, used: np.ndarray) -> None:
+    """Points every unused column of row b (at or past used[b]) at the row's
+    first page, in place, so no kernel ever reads a page the sequence does
+    not own: its rows are masked there, but must be finite for variants
+    without the V guard. Rows without pages keep their (clamped) ids; their
+    outputs are zeroed by the kernels."""
+    for b, n in enumerate(used):
+        if n > 0:
+            block_table[b, n:] = block_table[b, 0]

@@ -230,14 +230,23 @@ class Session:
         out, lse = (r.to_host() for r in res)
         return out, lse
 
-    def select(self, problem: dict, seqlen_q: int, batch: int) -> Variant:
+    def select(self, problem: dict, seqlen_q: int, batch: int, stale_v_finite: bool = False) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem); among static (online) variants, the one that pads
-        least, then the one with the fewest launches."""
+        least, then the one with the fewest launches, then one without the
+        V guard, which is allowed only when stale_v_finite says the value
+        rows holding no key are finite (plan.stale_v_rows_finite)."""
         formulation = self._formulation_for(problem)
-        cands = [v for v in self._by_problem.get(_problem_key(problem), []) if v.formulation == formulation]
-        if not cands and self.compile_missing:
-            return self._default_variant_for(problem, seqlen_q)
+        cands = [
+            v for v in self._by_problem.get(_problem_key(problem), [])
+            if v.formulation == formulation and (v.v_guard or stale_v_finite)
+        ]
+        if self.compile_missing:
+            # The default variant for the call competes with the built ones
+            # (and is compiled if chosen).
+            preferred = self._default_variant_for(problem, seqlen_q, stale_v_finite)
+            if preferred not in cands:
+                cands.append(preferred)
         if not cands:
             described = ", ".join(f"{k}={v}" for k, v in problem.items())
             raise ArtifactError(
@@ -251,10 +260,10 @@ class Session:
         def cost(v: Variant):
             # Least padded work first, then fewest kernel calls.
             if v.formulation == "explicit":
-                return (0, 0)
+                return (0, 0, True)
             btiles = -(-batch // v.batch_tile)
             qtiles = -(-seqlen_q // v.seqlen_q_tile)
-            return (btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles)
+            return (btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles, v.v_guard)
 
         return min(cands, key=cost)
 
@@ -265,13 +274,14 @@ class Session:
             return "explicit"
         return self.formulation
 
-    def _default_variant_for(self, problem: dict, seqlen_q: int) -> Variant:
+    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_v_finite: bool = False) -> Variant:
         if self._formulation_for(problem) == "explicit":
             return Variant(**problem)
         from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE
 
         bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
-        return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq)
+        guard = not (stale_v_finite and problem["v_layout"] == "row")
+        return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq, v_guard=guard)
 
 
 def _problem_key(problem: dict) -> tuple:

@@ -38,7 +38,7 @@ KV_DTYPES = FP8_DTYPES
 # The kernels' argument list version. Artifacts built for another one are
 # never loaded (the runtime cannot see template changes otherwise). Bump it
 # whenever a template's signature changes.
-KERNEL_ABI = 4
+KERNEL_ABI = 5
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
@@ -59,7 +59,8 @@ _NAME_RE = re.compile(
     r"(?P<sinks>_sink)?"
     r"_(?P<lse>lse|nlse)"
     r"_(?P<form>explicit|online)"
-    r"(?:_b(?P<bt>\d+)_q(?P<mq>\d+))?$"
+    r"(?:_b(?P<bt>\d+)_q(?P<mq>\d+))?"
+    r"(?P<nvguard>_nvguard)?$"
 )
 
 
@@ -83,6 +84,13 @@ class Variant:
     kv_dtype: str = ""
     lse: bool = True
     formulation: str = "explicit"
+    # Zero the value rows that hold no key (the tail of a sequence's last
+    # page, the head of its first page with gappy KV) before the PV product,
+    # so that non-finite stale data there cannot reach the output (0 * NaN).
+    # Online variants may drop it: the V copy it needs halved decode speed
+    # on the H200, and the runtime uses such variants only after checking
+    # that those rows are finite (plan.stale_v_rows_finite).
+    v_guard: bool = True
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
     batch_tile: int = 0
     seqlen_q_tile: int = 0
@@ -127,6 +135,8 @@ class Variant:
                 raise ValueError(f"the online formulation cannot serve this variant: {reason}")
         if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
             raise ValueError("explicit variants have dynamic batch and query rows")
+        if not self.v_guard and (self.formulation != "online" or self.kv_dtype or self.v_layout != "row"):
+            raise ValueError("only online variants with a row-major fp16/bf16/f32 V cache can drop the V guard")
 
     @property
     def static_quant(self) -> bool:
@@ -162,6 +172,8 @@ class Variant:
         s += f"_{'lse' if self.lse else 'nlse'}_{self.formulation}"
         if self.formulation == "online":
             s += f"_b{self.batch_tile}_q{self.seqlen_q_tile}"
+        if not self.v_guard:
+            s += "_nvguard"
         return s
 
     @classmethod
@@ -188,6 +200,7 @@ class Variant:
             formulation=g["form"],
             batch_tile=int(g["bt"] or 0),
             seqlen_q_tile=int(g["mq"] or 0),
+            v_guard=not g["nvguard"],
         )
 
     def __str__(self) -> str:
@@ -195,7 +208,7 @@ class Variant:
 
     @property
     def problem(self) -> dict:
-        """The fields a call must match exactly (all but lse and tiling)."""
+        """The fields a call must match exactly (all but lse, tiling and the V guard)."""
         return {f: getattr(self, f) for f in PROBLEM_FIELDS}
 
 
@@ -324,7 +337,8 @@ def gpu_default_set() -> list[Variant]:
     score-side feature comes for page 16 with the decode b8 tile (no mask)
     and the prefill q128 tile (bottom-right mask), as does column-major V;
     fp8 (e4m3fn, e4m3fnuz) KV caches and static quantization come in the
-    explicit formulation.
+    explicit formulation. Row-major online variants come with and without
+    the V guard.
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -345,6 +359,9 @@ def gpu_default_set() -> list[Variant]:
             # online_unsupported); it compiles for every GPU target.
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
+    # Each online variant also without the V guard: the runtime's choice
+    # when the stale value rows are finite (the common case).
+    out += [dataclasses.replace(v, v_guard=False) for v in out if v.formulation == "online" and v.v_layout == "row"]
     out += _static_quant_variants()
     return out
 

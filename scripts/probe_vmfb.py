@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Times and checks hand-configured builds of one variant (lowering-config
+experiments, docs/perf-notes.md): each vmfb is a compile of `--variant` with
+a substituted executable configuration (iree-compile
+--iree-hal-substitute-executable-configuration). Runs the benchmark's decode
+or prefill shape on the device, checks the output against the float64
+reference on a sample of sequences, and prints the median time."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import iree.runtime as rt  # noqa: E402
+
+from bench import HQ, PAGE, SHAPES, make_inputs, median_ms  # noqa: E402
+from turbine_fmha.plan import KernelCall, plan_calls  # noqa: E402
+from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.variants import UNBOUNDED, Variant  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", choices=["decode", "prefill"], default="decode")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("vmfbs", nargs="+")
+    args = ap.parse_args()
+    v = Variant.parse(args.variant)
+    shape = next(s for s in SHAPES["cuda"] if s["name"] == args.shape)
+    rng = np.random.default_rng(0)
+    q, kc, vc, bt, sk = make_inputs(rng, shape, v.dtype)
+    b, sq = shape["batch"], shape["seqlen_q"]
+    call = KernelCall(q=q, block_table=bt, seqlen_q=np.full(b, sq, np.int32), seqlen_k=sk, kv_shift=np.zeros(b, np.int32),
+                      scale=1 / math.sqrt(v.hdim_q), softcap=0.0, scale_o=1.0, scale_p=1.0, left=UNBOUNDED,
+                      right=0 if v.mask != "none" else UNBOUNDED, sink_size=0, alibi_slopes=None, bias=None, sinks=None)
+    config = rt.Config(args.device)
+    dev = config.device
+    kc_d, vc_d = rt.asdevicearray(dev, kc), rt.asdevicearray(dev, vc)
+    sample = [0, b - 1]
+    kw = dict(mask_type=v.mask, window_size_right=0 if v.mask != "none" else -1)
+    ref, _ = fmha_fwd_paged_ref(q[sample], kc, vc, bt[sample], sk[sample], **kw)
+    for path in args.vmfbs:
+        vm = rt.VmModule.copy_buffer(config.vm_instance, Path(path).read_bytes())
+        ctx = rt.SystemContext(vm_modules=[vm], config=config)
+        fn = ctx.modules.module[v.name]
+        calls, places = [], []
+        for a, place in plan_calls(v, call):
+            d = [rt.asdevicearray(dev, x) for x in a]
+            calls.append([d[0], kc_d, vc_d, *d[1:]])
+            places.append(place)
+        last = []
+
+        def run():
+            last.clear()
+            for c in calls:
+                last.append(fn(*c))
+
+        def sync():
+            for r in last:
+                r[0].to_host()
+
+        ms = median_ms(run, args.repeat, sync=sync)
+        out = np.empty((b, sq, HQ, v.hdim_v), q.dtype)
+        lse = np.empty((b, HQ, sq), np.float32)
+        run()
+        for r, place in zip(last, places):
+            place(out, lse, r[0].to_host(), r[1].to_host())
+        err = float(np.abs(out[sample].astype(np.float64) - ref).max() / np.abs(ref).max())
+        print(f"{Path(path).name}: {ms:.3f} ms, rel err {err:.2e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
