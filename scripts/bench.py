@@ -218,7 +218,7 @@ def bench_split_kv(session, rng, dtype, repeat, no_torch):
     for shape in SPLIT_SHAPES[session.device]:
         inputs = make_inputs(rng, shape, dtype)
         b, sk = shape["batch"], shape["seqlen_k"]
-        auto = num_splits_heuristic(b * HK, session.compute_units, sk)
+        auto = num_splits_heuristic(b * HQ, session.compute_units, sk)
         base = float("nan") if no_torch else bench_torch(shape, inputs, dtype, session.device, repeat)[0]
         kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
         for n in sorted({1, auto, 4, 16}):

@@ -221,7 +221,7 @@ def fmha_fwd_paged(
       num_splits: split-KV. Each sequence's keys are cut into num_splits runs
         of pages computed as separate work items, then merged by their LSEs
         (in f32; the partial outputs are rounded to q's dtype once). None
-        (default) chooses from batch * nhead_k * query blocks against the
+        (default) chooses from batch * nhead_q * query blocks against the
         session's compute_units (ck_tile's heuristic; splits of >= 512
         keys); 1 disables. Not with fp8 q.
       return_lse: also return LSE (float32, natural log); -inf for rows with
@@ -522,10 +522,10 @@ def fmha_fwd_paged(
         )
         if num_splits is None:
             keys = int(seqlen_k[active].max())
-            # Work items: sequences x KV heads x 64-row query blocks. Per KV
-            # head, not query head: on the H200 the decode kernels filled
-            # the GPU at batch x nhead_k ~ #SMs (docs/perf-notes.md).
-            work = active.size * nhead_k * -(-rows // 64)
+            # Work items: sequences x query heads x 64-row query blocks, as
+            # in ck_tile: the tuned GPU decode runs one workgroup per query
+            # head (docs/perf-notes.md has the measurements behind it).
+            work = active.size * nhead_q * -(-rows // 64)
             splits = 1 if squant else num_splits_heuristic(work, session.compute_units, keys)
         else:
             splits = num_splits
