@@ -18,6 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import iree.runtime as rt  # noqa: E402
 
+import bench  # noqa: E402
 from bench import HQ, PAGE, SHAPES, make_inputs, median_ms  # noqa: E402
 from turbine_fmha.plan import KernelCall, plan_calls  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
@@ -30,11 +31,13 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--page", type=int, default=PAGE, help="page size of the inputs (must match the variant)")
     ap.add_argument("vmfbs", nargs="+")
     args = ap.parse_args()
     v = Variant.parse(args.variant)
     shape = next(s for s in SHAPES["cuda"] if s["name"] == args.shape)
     rng = np.random.default_rng(0)
+    bench.PAGE = args.page  # make_inputs pages by the module's PAGE
     q, kc, vc, bt, sk = make_inputs(rng, shape, v.dtype)
     b, sq = shape["batch"], shape["seqlen_q"]
     call = KernelCall(q=q, block_table=bt, seqlen_q=np.full(b, sq, np.int32), seqlen_k=sk, kv_shift=np.zeros(b, np.int32),

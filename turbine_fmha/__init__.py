@@ -5,8 +5,18 @@ only; building artifacts (`turbine_fmha.build`, `turbine_fmha.kernels`) also
 needs iree-base-compiler and iree-turbine.
 """
 
-from .api import fmha_fwd_kvcache, fmha_fwd_paged
+from .api import fmha_fwd_kvcache, fmha_fwd_paged, fmha_fwd_paged_async
+from .cache import CacheFullError, PagedKVCache
 from .runtime import ArtifactError, Session
 from .variants import Variant
 
-__all__ = ["fmha_fwd_paged", "fmha_fwd_kvcache", "Session", "Variant", "ArtifactError"]
+__all__ = [
+    "fmha_fwd_paged",
+    "fmha_fwd_paged_async",
+    "fmha_fwd_kvcache",
+    "PagedKVCache",
+    "CacheFullError",
+    "Session",
+    "Variant",
+    "ArtifactError",
+]

@@ -441,6 +441,12 @@ def fmha_fwd_paged(
     lse.fill(-np.inf)
     active = np.nonzero(seqlens_q > min_seqlen_q)[0] if group else np.arange(batch)
     if active.size and seqlens_q[active].max() > 0:
+        # A bottom-right mask with no left edge hides nothing from one-row
+        # (decode) queries: run the mask-free kernels, which every target's
+        # default set has for decode. ALiBi keeps it (its causal form differs).
+        kernel_mask = mask_type
+        if mask_type == "bottom_right" and left < 0 and slopes is None and seqlens_q[active].max() == 1:
+            kernel_mask = "none"
         problem = dict(
             dtype=dt,
             hdim_q=hdim_q,
@@ -448,7 +454,7 @@ def fmha_fwd_paged(
             nhead_q=nhead_q,
             nhead_k=nhead_k,
             page_block_size=page,
-            mask=mask_type,
+            mask=kernel_mask,
             bias="alibi" if slopes is not None else ("elementwise" if bias_a is not None else "none"),
             bias_shape="",
             softcap=cap > 0,
@@ -619,3 +625,13 @@ def _float_array(x, name: str) -> np.ndarray:
     if not np.issubdtype(a.dtype, np.floating) and a.dtype != _bf16():
         raise TypeError(f"{name} must be a float array, got {a.dtype}")
     return a.astype(np.float32, copy=False)
+
+
+def fmha_fwd_paged_async(*args, session: Session | None = None, device: str = "cpu", **kwargs):
+    """fmha_fwd_paged on the session's worker threads: returns a
+    concurrent.futures.Future of its result. Arguments are validated in the
+    worker, so errors surface from Future.result(). The caller must not
+    modify the arrays it passed until the future is done."""
+    if session is None:
+        session = default_session(device)
+    return session.submit(fmha_fwd_paged, *args, session=session, device=device, **kwargs)

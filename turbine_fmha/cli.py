@@ -1,4 +1,4 @@
-"""`turbine-fmha` command line: build, list, inspect."""
+"""`turbine-fmha` command line: build, list, inspect, run, bench."""
 
 from __future__ import annotations
 
@@ -76,6 +76,112 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _random_problem(args, rng):
+    """A paged problem as the arguments describe it: pages shuffled over the
+    pool, unused table slots holding -1."""
+    import numpy as np
+
+    if args.dtype == "bf16":
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype({"f16": np.float16, "f32": np.float32}[args.dtype])
+    lens = [int(x) for x in args.seqlen_k.split(",")]
+    if len(lens) == 1:
+        lens = lens * args.batch
+    if len(lens) != args.batch:
+        raise SystemExit(f"--seqlen-k: {len(lens)} values for --batch {args.batch}")
+    page = args.page
+    used = [-(-n // page) for n in lens]
+    num_pages = sum(used) + 1
+    k = rng.standard_normal((num_pages, page, args.nhead_k, args.hdim), dtype=np.float32).astype(dt)
+    v = rng.standard_normal((num_pages, page, args.nhead_k, args.hdim), dtype=np.float32).astype(dt)
+    bt = np.full((args.batch, max(used + [1]) + 1), -1, np.int32)
+    perm = rng.permutation(num_pages)
+    i = 0
+    for b, n in enumerate(used):
+        bt[b, :n] = perm[i : i + n]
+        i += n
+    q = rng.standard_normal((args.batch, args.seqlen_q, args.nhead_q, args.hdim), dtype=np.float32).astype(dt)
+    kw = dict(mask_type=args.mask, window_size_right=0 if args.mask != "none" else -1,
+              num_splits=args.num_splits, device=args.device)
+    return (q, k, v, bt, np.array(lens, np.int32)), kw
+
+
+def _session(args):
+    from .runtime import Session
+
+    return Session(args.device, artifact_dir=args.artifacts, compile_missing=args.compile_missing)
+
+
+def _cmd_run(args) -> int:
+    """One call on random data, checked against the float64 reference."""
+    import numpy as np
+
+    from .api import fmha_fwd_paged
+    from .reference import fmha_fwd_paged_ref
+
+    session = _session(args)
+    prob, kw = _random_problem(args, np.random.default_rng(args.seed))
+    t0 = time.perf_counter()
+    out, lse = fmha_fwd_paged(*prob, return_lse=True, session=session, **kw)
+    ms = (time.perf_counter() - t0) * 1e3
+    ref, ref_lse = fmha_fwd_paged_ref(*prob, mask_type=kw["mask_type"], window_size_right=kw["window_size_right"])
+    err = float(np.abs(out.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+    fin = np.isfinite(ref_lse)
+    lerr = float(np.abs(lse[fin] - ref_lse[fin]).max()) if fin.any() else 0.0
+    tol = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}[args.dtype]
+    ok = err <= tol and lerr <= 3e-2 and np.array_equal(np.isneginf(lse), ~fin)
+    print(f"variant {session.last_variant.name}")
+    print(f"{ms:.2f} ms (first call: includes loading), output rel err {err:.2e} (bound {tol:g}), "
+          f"LSE abs err {lerr:.2e} -> {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def _cmd_bench(args) -> int:
+    """Median time of repeated calls of the public API on one problem."""
+    import statistics
+
+    import numpy as np
+
+    from .api import fmha_fwd_paged
+
+    session = _session(args)
+    prob, kw = _random_problem(args, np.random.default_rng(args.seed))
+    fmha_fwd_paged(*prob, session=session, **kw)  # load, warm up
+    times = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        fmha_fwd_paged(*prob, session=session, **kw)
+        times.append((time.perf_counter() - t0) * 1e3)
+    med = statistics.median(times)
+    q, k = prob[0], prob[1]
+    kv_bytes = 2 * int(prob[4].sum()) * k.shape[2] * k.shape[3] * k.itemsize
+    print(f"variant {session.last_variant.name}")
+    print(f"median {med:.2f} ms, min {min(times):.2f} ms over {args.repeat} calls "
+          f"(public API on host arrays: validation and copies included); "
+          f"{kv_bytes / (med * 1e-3) / 1e9:.2f} GB/s of KV")
+    return 0
+
+
+def _problem_args(sp):
+    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hip"])
+    sp.add_argument("--artifacts", default=None, help="artifact dir (default $TURBINE_FMHA_ARTIFACTS or ./artifacts)")
+    sp.add_argument("--compile-missing", action="store_true", help="compile variants that have no artifact")
+    sp.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
+    sp.add_argument("--batch", type=int, default=4)
+    sp.add_argument("--seqlen-q", type=int, default=1)
+    sp.add_argument("--seqlen-k", default="512", help="one value, or one per sequence (comma list)")
+    sp.add_argument("--nhead-q", type=int, default=32)
+    sp.add_argument("--nhead-k", type=int, default=8)
+    sp.add_argument("--hdim", type=int, default=128)
+    sp.add_argument("--page", type=int, default=16)
+    sp.add_argument("--mask", default="none", choices=["none", "top_left", "bottom_right"])
+    sp.add_argument("--num-splits", type=int, default=None)
+    sp.add_argument("--seed", type=int, default=None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="turbine-fmha", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -95,6 +201,13 @@ def main(argv=None) -> int:
     ins.add_argument("--out", default="artifacts")
     ins.add_argument("--target", default=None)
     ins.set_defaults(fn=_cmd_inspect)
+    r = sub.add_parser("run", help="one call on random data, verified against the float64 reference")
+    _problem_args(r)
+    r.set_defaults(fn=_cmd_run)
+    be = sub.add_parser("bench", help="median time of the public API on one random problem")
+    _problem_args(be)
+    be.add_argument("--repeat", type=int, default=10)
+    be.set_defaults(fn=_cmd_bench)
     args = p.parse_args(argv)
     return args.fn(args)
 

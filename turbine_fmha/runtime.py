@@ -50,12 +50,27 @@ class ArtifactError(RuntimeError):
 
 
 class _Loaded:
-    __slots__ = ("variant", "function", "context")
+    """One verified, loaded artifact. The VM module is shared; each thread
+    gets its own VM context (IREE contexts are not safe for concurrent
+    invocation), so calls from several threads run concurrently."""
 
-    def __init__(self, variant: Variant, function, context):
+    def __init__(self, variant: Variant, vm_module, config):
         self.variant = variant
-        self.function = function
-        self.context = context
+        self.vm_module = vm_module
+        self.config = config
+        self._tls = threading.local()
+
+    @property
+    def function(self):
+        fn = getattr(self._tls, "fn", None)
+        if fn is None:
+            import iree.runtime as rt
+
+            ctx = rt.SystemContext(config=self.config)
+            ctx.add_vm_module(self.vm_module)
+            fn = ctx.modules[self.vm_module.name][self.variant.name]
+            self._tls.ctx, self._tls.fn = ctx, fn
+        return fn
 
 
 class Session:
@@ -105,7 +120,8 @@ class Session:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self._lock = threading.RLock()
         self._loaded: dict[str, _Loaded] = {}
-        self.last_variant: Variant | None = None
+        self._tls = threading.local()
+        self._executor = None
         self._config = None
         self._index: dict[str, dict] = {}
         # Variants by problem (Variant.problem as a tuple), so choosing one
@@ -147,13 +163,14 @@ class Session:
         return [Variant.parse(n) for n in sorted(self._index)]
 
     def _iree_config(self):
-        if self._config is None:
-            import iree.runtime as rt
+        with self._lock:
+            if self._config is None:
+                import iree.runtime as rt
 
-            if self.target.driver == "local-task":
-                _set_cpu_topology_once()
-            self._config = rt.Config(self.target.driver)
-        return self._config
+                if self.target.driver == "local-task":
+                    _set_cpu_topology_once()
+                self._config = rt.Config(self.target.driver)
+            return self._config
 
     def _load(self, variant: Variant) -> _Loaded:
         name = variant.name
@@ -213,19 +230,38 @@ class Session:
             vm_module = rt.VmModule.copy_buffer(config.vm_instance, data)
         except Exception as e:  # the runtime's own message says what is wrong
             raise ArtifactError(f"cannot load {path}: {e}") from None
-        ctx = rt.SystemContext(config=config)
-        ctx.add_vm_module(vm_module)
-        fn = ctx.modules[vm_module.name][variant.name]
-        return _Loaded(variant, fn, ctx)
+        loaded = _Loaded(variant, vm_module, config)
+        try:
+            loaded.function  # resolve the entry point now: a bad module fails here
+        except Exception as e:
+            raise ArtifactError(f"cannot load {path}: {e}") from None
+        return loaded
 
     # -- execution ----------------------------------------------------------
+
+    @property
+    def last_variant(self) -> Variant | None:
+        """The variant that served this thread's latest kernel call."""
+        return getattr(self._tls, "last_variant", None)
+
+    def submit(self, fn, *args, **kwargs):
+        """Runs fn(*args, **kwargs) on this session's worker threads and
+        returns a concurrent.futures.Future, so a service can prepare the
+        next batch while a call runs. See turbine_fmha.fmha_fwd_paged_async."""
+        import concurrent.futures
+
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=ASYNC_WORKERS, thread_name_prefix="turbine-fmha"
+                )
+            return self._executor.submit(fn, *args, **kwargs)
 
     def run_variant(self, variant: Variant, *args):
         """One kernel call on validated, contiguous numpy arguments, in the
         kernel's order (see turbine_fmha.api.plan_calls)."""
         loaded = self._load(variant)
-        # Informational (which kernel served the latest call; not per thread).
-        self.last_variant = variant
+        self._tls.last_variant = variant
         res = loaded.function(*args)
         out, lse = (r.to_host() for r in res)
         return out, lse
@@ -289,6 +325,8 @@ def _problem_key(problem: dict) -> tuple:
 
 
 ENV_CPU_THREADS = "TURBINE_FMHA_CPU_THREADS"
+# Worker threads of Session.submit (calls in flight at once per session).
+ASYNC_WORKERS = 4
 _TOPOLOGY_SET = False
 
 

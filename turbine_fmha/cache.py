@@ -1,0 +1,171 @@
+"""A paged KV cache for serving: a page pool with per-sequence page lists.
+
+Sequences are allocated, grow by appending tokens' K/V, fork (the child
+shares every page of the parent, reference counted, and copies the shared
+last page only when it writes into it), and are freed. `batch` turns a list
+of sequences into the block table and seqlen_k that `fmha_fwd_paged` takes.
+
+The pool lives in host memory (numpy) and is zero-initialized, so rows that
+hold no token are finite and the GPU kernels without the V guard can serve
+it. Device-resident pools with an append kernel are issue 6 work still to
+come. The class is thread-safe: every method holds one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free pages for a request; the cache is left unchanged."""
+
+
+class PagedKVCache:
+    """Page pool of `num_pages` pages of `page_block_size` rows.
+
+    k: [num_pages, page_block_size, nhead_k, hdim], v likewise with hdim_v;
+    dtype a numpy dtype (or "f16", "bf16", "f32"). Sequence ids are ints
+    handed out by `allocate` and `fork`.
+    """
+
+    def __init__(self, num_pages: int, page_block_size: int, nhead_k: int, hdim: int, dtype="f16", *, hdim_v: int | None = None):
+        for name, val in (("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_k", nhead_k), ("hdim", hdim)):
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        dt = _dtype(dtype)
+        self.page_block_size = int(page_block_size)
+        self.k = np.zeros((num_pages, page_block_size, nhead_k, hdim), dt)
+        self.v = np.zeros((num_pages, page_block_size, nhead_k, hdim_v or hdim), dt)
+        self._refs = np.zeros(num_pages, np.int32)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    # -- sequences -----------------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """A new, empty sequence (no pages until its first append)."""
+        with self._lock:
+            sid = self._next_id
+            self._next_id += 1
+            self._pages[sid] = []
+            self._lens[sid] = 0
+            return sid
+
+    def fork(self, seq: int) -> int:
+        """A new sequence with `seq`'s tokens, sharing its pages."""
+        with self._lock:
+            pages = self._get(seq)
+            sid = self._next_id
+            self._next_id += 1
+            self._pages[sid] = list(pages)
+            self._lens[sid] = self._lens[seq]
+            self._refs[pages] += 1
+            return sid
+
+    def free(self, seq: int) -> None:
+        """Drops the sequence; pages no other sequence holds become free."""
+        with self._lock:
+            pages = self._get(seq)
+            del self._pages[seq], self._lens[seq]
+            for p in reversed(pages):
+                self._refs[p] -= 1
+                if self._refs[p] == 0:
+                    self._free.append(p)
+
+    def seqlen(self, seq: int) -> int:
+        with self._lock:
+            self._get(seq)
+            return self._lens[seq]
+
+    def pages(self, seq: int) -> list[int]:
+        with self._lock:
+            return list(self._get(seq))
+
+    def append(self, seq: int, k_new, v_new) -> None:
+        """Writes tokens' K [n, nhead_k, hdim] and V [n, nhead_k, hdim_v] at
+        the end of `seq`. Raises CacheFullError, changing nothing, when the
+        free pages do not suffice (a shared last page counts one extra: it
+        is copied before it is written)."""
+        k_new, v_new = np.asarray(k_new), np.asarray(v_new)
+        if k_new.ndim != 3 or k_new.shape[1:] != self.k.shape[2:]:
+            raise ValueError(f"k_new must have shape [n, {self.k.shape[2]}, {self.k.shape[3]}], got {k_new.shape}")
+        if v_new.shape != (k_new.shape[0],) + self.v.shape[2:]:
+            raise ValueError(f"v_new must have shape [{k_new.shape[0]}, {self.v.shape[2]}, {self.v.shape[3]}], got {v_new.shape}")
+        n = k_new.shape[0]
+        page = self.page_block_size
+        with self._lock:
+            pages = self._get(seq)
+            length = self._lens[seq]
+            fill = length % page  # rows used in the last page (0: full or none)
+            cow = fill > 0 and n > 0 and self._refs[pages[-1]] > 1
+            need = -(-(length + n) // page) - len(pages) + int(cow)
+            if need > len(self._free):
+                raise CacheFullError(
+                    f"sequence {seq} needs {need} free pages for {n} tokens, {len(self._free)} are free"
+                )
+            if cow:
+                # Copy on write: the shared last page stays with the others.
+                new = self._free.pop()
+                self.k[new, :fill] = self.k[pages[-1], :fill]
+                self.v[new, :fill] = self.v[pages[-1], :fill]
+                self._refs[pages[-1]] -= 1
+                self._refs[new] = 1
+                pages[-1] = new
+            while len(pages) * page < length + n:
+                p = self._free.pop()
+                self._refs[p] = 1
+                pages.append(p)
+            pos = length + np.arange(n)
+            rows_p = np.asarray(pages, np.int64)[pos // page]
+            self.k[rows_p, pos % page] = k_new
+            self.v[rows_p, pos % page] = v_new
+            self._lens[seq] = length + n
+
+    # -- batches -------------------------------------------------------------
+
+    def batch(self, seqs) -> tuple[np.ndarray, np.ndarray]:
+        """(block_table [len(seqs), max pages] int32, seqlen_k [len(seqs)]
+        int32) for fmha_fwd_paged; unused slots hold -1."""
+        with self._lock:
+            rows = [self._get(s) for s in seqs]
+            lens = [self._lens[s] for s in seqs]
+        bt = np.full((len(rows), max([len(r) for r in rows] + [1])), -1, np.int32)
+        for i, r in enumerate(rows):
+            bt[i, : len(r)] = r
+        return bt, np.array(lens, np.int32)
+
+    def gather(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sequence's K and V as contiguous [seqlen, nhead_k, hdim]
+        copies (for checking and debugging)."""
+        with self._lock:
+            pages = np.asarray(self._get(seq), np.int64)
+            n = self._lens[seq]
+        pos = np.arange(n)
+        return self.k[pages[pos // self.page_block_size], pos % self.page_block_size], \
+            self.v[pages[pos // self.page_block_size], pos % self.page_block_size]
+
+    def _get(self, seq: int) -> list[int]:
+        try:
+            return self._pages[seq]
+        except KeyError:
+            raise KeyError(f"no sequence {seq!r} in this cache") from None
+
+
+def _dtype(d) -> np.dtype:
+    if isinstance(d, str):
+        if d == "bf16":
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        if d in ("f16", "f32"):
+            return np.dtype({"f16": np.float16, "f32": np.float32}[d])
+    return np.dtype(d)
