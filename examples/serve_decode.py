@@ -9,7 +9,10 @@ requests sample two continuations that share the prompt's pages (fork, with
 copy-on-write of the shared last page). Finished sequences free their
 pages for the next ones.
 
-There is no model: each token's q/k/v are random. The attention is the real
+The page pool lives on the session's device (PagedKVCache with a session):
+each step uploads only the new tokens' K/V, through the append kernel, and
+the attention reads the pool in place. There is no model: each token's
+q/k/v are random. The attention is the real
 work, and every --verify-every'th step is checked against the float64
 reference. It prints tokens/s (over the steps, checks excluded) and the
 p50/p99 step latency (a step: the cache appends and the attention call).
@@ -44,10 +47,11 @@ class Request:
 
 def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k: int, hdim: int, page: int,
                 num_pages: int, prompt_range=(16, 256), generate_range=(8, 64), verify_every: int = 10,
-                seed: int | None = None, device: str = "cpu", log=print) -> dict:
+                seed: int | None = None, log=print) -> dict:
     rng = np.random.default_rng(seed)
     dt = np.float16
-    cache = turbine_fmha.PagedKVCache(num_pages, page, nhead_k, hdim, "f16")
+    # The pool lives on the session's device; appends write only new rows.
+    cache = turbine_fmha.PagedKVCache(num_pages, page, nhead_k, hdim, "f16", session=session)
     queue = [Request(int(rng.integers(*prompt_range)), int(rng.integers(*generate_range)), bool(rng.random() < 0.25))
              for _ in range(requests)]
     running: dict[int, int] = {}  # sequence -> tokens left to generate
@@ -82,13 +86,14 @@ def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k
         seqs = [s for s, _ in rows]
         seqstart = np.concatenate([[0], np.cumsum([n for _, n in rows])]).astype(np.int32)
         q = rng.standard_normal((int(seqstart[-1]), nhead_q, hdim)).astype(dt)
-        bt, sk = cache.batch(seqs)
         kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0)
-        out = turbine_fmha.fmha_fwd_paged(q, cache.k, cache.v, bt, sk, session=session, device=device, **kw)
+        out = cache.attend(q, seqs, **kw)
         latencies.append((time.perf_counter() - t0) * 1e3)
         tokens += int(seqstart[-1])
         steps += 1
         if verify_every and (steps - 1) % verify_every == 0:
+            # The host mirror holds what the device pool holds (tests check it).
+            bt, sk = cache.batch(seqs)
             ref, _ = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, **kw)
             err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
             if not err <= TOL["f16"]:
@@ -124,8 +129,7 @@ def main() -> int:
     args = ap.parse_args()
     session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts)
     stats = run_service(session, requests=args.requests, max_batch=args.max_batch, nhead_q=32, nhead_k=8, hdim=128,
-                        page=16, num_pages=args.num_pages, verify_every=args.verify_every, seed=args.seed,
-                        device=args.device)
+                        page=16, num_pages=args.num_pages, verify_every=args.verify_every, seed=args.seed)
     print(f"{stats['steps']} steps, {stats['tokens']} tokens ({stats['seconds']} s with the checks): "
           f"{stats['tokens_per_s']} tokens/s over the steps; "
           f"step latency p50 {stats['p50_ms']} ms, p99 {stats['p99_ms']} ms; "

@@ -143,3 +143,38 @@ def test_attention_over_the_cache(explicit_session, rng):
     # The reference over the pages equals attention over the recorded K/V.
     k3 = np.concatenate([rec[seqs[2]][0], extra[0]])
     np.testing.assert_array_equal(cache.gather(seqs[3])[0], k3)
+
+
+def test_device_resident_pool(explicit_session, rng):
+    """With a session, the pool also lives on the device and is updated in
+    place by the append kernel: after any mix of appends, forks (with
+    copy-on-write) and frees it equals the host mirror, and attention runs
+    on it."""
+    cache = PagedKVCache(24, 16, 2, 64, "f16", session=explicit_session)
+    live = [cache.allocate()]
+    for step in range(25):
+        op = rng.random()
+        if op < 0.15 and len(live) < 6:
+            live.append(cache.fork(live[int(rng.integers(len(live)))]))
+        elif op < 0.25 and len(live) > 1:
+            cache.free(live.pop(int(rng.integers(len(live)))))
+        else:
+            s = live[int(rng.integers(len(live)))]
+            n = int(rng.integers(1, 20))
+            try:
+                cache.append(s, rng.standard_normal((n, 2, 64)).astype(np.float16),
+                             rng.standard_normal((n, 2, 64)).astype(np.float16))
+            except CacheFullError:
+                cache.free(live.pop(0)) if len(live) > 1 else None
+        np.testing.assert_array_equal(cache.k_dev.to_host(), cache.k)
+        np.testing.assert_array_equal(cache.v_dev.to_host(), cache.v)
+    seqs = [s for s in live if cache.seqlen(s)]
+    q = rng.standard_normal((len(seqs), 3, 8, 64)).astype(np.float16)
+    out, lse = cache.attend(q, seqs, mask_type="bottom_right", return_lse=True)
+    bt, sk = cache.batch(seqs)
+    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, mask_type="bottom_right")
+    _check(out, lse, ref, ref_lse, "f16")
+    with pytest.raises(TypeError, match="both"):
+        turbine_fmha.fmha_fwd_paged(q, cache.k_dev, cache.v, bt, sk, session=explicit_session)
+    with pytest.raises(TypeError, match="kv_rows_finite"):
+        turbine_fmha.fmha_fwd_paged(q, cache.k, cache.v, bt, sk, kv_rows_finite=1, session=explicit_session)

@@ -91,6 +91,26 @@ def _to_numpy(x, name: str):
     raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
 
 
+class _DeviceCache:
+    """An IREE DeviceArray cache seen through numpy's shape/dtype/ndim, for
+    validation; `.array` goes to the kernels as is (no host copy)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.shape = tuple(int(d) for d in array.shape)
+        self.ndim = len(self.shape)
+        self.dtype = np.dtype(array.dtype)
+
+
+def _is_device_array(x) -> bool:
+    t = type(x)
+    return t.__name__ == "DeviceArray" and t.__module__.startswith("iree.runtime")
+
+
+def _cache_array(x, name: str):
+    return _DeviceCache(x) if _is_device_array(x) else _to_numpy(x, name)
+
+
 def _from_numpy(a: np.ndarray, like):
     import torch
 
@@ -147,6 +167,7 @@ def fmha_fwd_paged(
     p_scale=None,
     out_scale=None,
     num_splits=None,
+    kv_rows_finite=None,
     return_lse=False,
     device="cpu",
     session: Session | None = None,
@@ -163,7 +184,10 @@ def fmha_fwd_paged(
       output [total_q, nhead_q, hdim_v]; LSE [nhead_q, total_q].
 
     Args:
-      k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q.
+      k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q:
+        a numpy array / torch tensor, or an iree.runtime DeviceArray on the
+        session's device (used in place, no copy; PagedKVCache with a
+        session keeps its pool that way).
       v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype; with
         v_layout="col", [num_pages, nhead_k, hdim_v, page_block_size].
         An fp8 KV cache (ml_dtypes/torch float8_e4m3fn, _e4m3fnuz, _e5m2,
@@ -224,6 +248,11 @@ def fmha_fwd_paged(
         (default) chooses from batch * nhead_q * query blocks against the
         session's compute_units (ck_tile's heuristic; splits of >= 512
         keys); 1 disables. Not with fp8 q.
+      kv_rows_finite: True promises that every value row of the caches is
+        finite (PagedKVCache tracks it), which lets GPU kernels skip the V
+        guard without looking at the caches. None (default) checks the rows
+        that hold no key on host caches, and assumes nothing of device
+        caches.
       return_lse: also return LSE (float32, natural log); -inf for rows with
         no visible key (whose output is 0).
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
@@ -235,8 +264,11 @@ def fmha_fwd_paged(
     as_torch = _is_torch(q)
     like = q
     q = _to_numpy(q, "q")
-    k_cache = _to_numpy(k_cache, "k_cache")
-    v_cache = _to_numpy(v_cache, "v_cache")
+    k_cache = _cache_array(k_cache, "k_cache")
+    v_cache = _cache_array(v_cache, "v_cache")
+    on_device = isinstance(k_cache, _DeviceCache)
+    if on_device != isinstance(v_cache, _DeviceCache):
+        raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
     group = seqstart_q is not None
     if q.ndim != (3 if group else 4):
         what = "[total_q, nhead_q, hdim] with seqstart_q" if group else "[batch, seqlen_q, nhead_q, hdim]"
@@ -433,6 +465,14 @@ def fmha_fwd_paged(
         raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
     elif session.device != device:
         raise ValueError(f"session is for device {session.device!r}, call asked for {device!r}")
+    if kv_rows_finite is not None and not isinstance(kv_rows_finite, bool):
+        raise TypeError(f"kv_rows_finite must be a bool or None, got {type(kv_rows_finite).__name__}")
+    if on_device:
+        if kv_fp8:
+            raise TypeError("fp8 caches on the device are not supported yet; pass them as host arrays")
+        for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if a.array._device is not session.device_of():
+                raise ValueError(f"{name} is a DeviceArray of another device than the session's ({session.device})")
 
     # --- everything below runs only on validated arguments ---------------
     if out is None:
@@ -508,8 +548,11 @@ def fmha_fwd_paged(
             bias=bias_b,
             sinks=sinks_a,
         )
-        kc = np.ascontiguousarray(k_cache)
-        vc = np.ascontiguousarray(v_cache)
+        if on_device:
+            kc, vc = k_cache.array, v_cache.array
+        else:
+            kc = np.ascontiguousarray(k_cache)
+            vc = np.ascontiguousarray(v_cache)
         if kv_fp8:  # the kernels take fp8 caches as i8 and decode them
             kc, vc = kc.view(np.int8), vc.view(np.int8)
         if group:
@@ -524,7 +567,8 @@ def fmha_fwd_paged(
             session._formulation_for(problem) == "online"
             and v_layout == "row"
             and not kv_fp8
-            and stale_v_rows_finite(v_cache, bt, call.seqlen_k, call.kv_shift, page)
+            and (kv_rows_finite if kv_rows_finite is not None
+                 else not on_device and stale_v_rows_finite(v_cache, bt, call.seqlen_k, call.kv_shift, page))
         )
         if num_splits is None:
             keys = int(seqlen_k[active].max())

@@ -28,7 +28,15 @@ from pathlib import Path
 
 from . import tuning
 from .targets import Target, get_target
-from .variants import KERNEL_ABI, Variant, gpu_default_set, host_default_set, target_unsupported
+from .variants import (
+    KERNEL_ABI,
+    AppendKernel,
+    Variant,
+    default_append_kernels,
+    gpu_default_set,
+    host_default_set,
+    target_unsupported,
+)
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -46,8 +54,9 @@ def iree_compile_path() -> str:
     return find_tool("iree-compile")
 
 
-def default_variants(target: Target) -> list[Variant]:
-    return host_default_set() if target.formulation == "explicit" else gpu_default_set()
+def default_variants(target: Target) -> list[Variant | AppendKernel]:
+    gpu = target.formulation != "explicit"
+    return (gpu_default_set() if gpu else host_default_set()) + default_append_kernels(gpu)
 
 
 def sha256_file(path: Path) -> str:

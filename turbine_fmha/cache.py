@@ -5,10 +5,16 @@ shares every page of the parent, reference counted, and copies the shared
 last page only when it writes into it), and are freed. `batch` turns a list
 of sequences into the block table and seqlen_k that `fmha_fwd_paged` takes.
 
-The pool lives in host memory (numpy) and is zero-initialized, so rows that
-hold no token are finite and the GPU kernels without the V guard can serve
-it. Device-resident pools with an append kernel are issue 6 work still to
-come. The class is thread-safe: every method holds one lock.
+The pool is zero-initialized, so rows that hold no token are finite, and
+the cache tracks whether every value ever appended was finite: then the GPU
+kernels without the V guard can serve it (fmha_fwd_paged's kv_rows_finite).
+
+With a `session`, the pool also lives on that session's device (IREE device
+arrays `k_dev`/`v_dev`): appends write only the new rows there, through an
+AOT-compiled in-place append kernel (variants.AppendKernel), and `attend`
+runs attention on the device pool without copying it. The host arrays `k`/`v`
+stay as a write-through mirror; copy-on-write reads the shared rows from
+it. The class is thread-safe: every method holds one lock.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class PagedKVCache:
     handed out by `allocate` and `fork`.
     """
 
-    def __init__(self, num_pages: int, page_block_size: int, nhead_k: int, hdim: int, dtype="f16", *, hdim_v: int | None = None):
+    def __init__(self, num_pages: int, page_block_size: int, nhead_k: int, hdim: int, dtype="f16", *,
+                 hdim_v: int | None = None, session=None):
         for name, val in (("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_k", nhead_k), ("hdim", hdim)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -44,6 +51,22 @@ class PagedKVCache:
         self._lens: dict[int, int] = {}
         self._next_id = 0
         self._lock = threading.Lock()
+        self.values_finite = True
+        self.session = session
+        self.k_dev = self.v_dev = None
+        if session is not None:
+            import iree.runtime as rt
+
+            from .variants import AppendKernel
+
+            name = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt)
+            if name is None:
+                raise ValueError(f"device-resident caches take float16 or float32, got {dt}")
+            self._append_fn = session.append_function(
+                AppendKernel(name, nhead_k, hdim, hdim_v or hdim, page_block_size))
+            device = session.device_of()
+            self.k_dev = rt.asdevicearray(device, self.k)
+            self.v_dev = rt.asdevicearray(device, self.v)
 
     # -- sequences -----------------------------------------------------------
 
@@ -112,6 +135,7 @@ class PagedKVCache:
                 raise CacheFullError(
                     f"sequence {seq} needs {need} free pages for {n} tokens, {len(self._free)} are free"
                 )
+            first = length  # first position to write on the device
             if cow:
                 # Copy on write: the shared last page stays with the others.
                 new = self._free.pop()
@@ -120,6 +144,7 @@ class PagedKVCache:
                 self._refs[pages[-1]] -= 1
                 self._refs[new] = 1
                 pages[-1] = new
+                first = length - fill
             while len(pages) * page < length + n:
                 p = self._free.pop()
                 self._refs[p] = 1
@@ -129,6 +154,16 @@ class PagedKVCache:
             self.k[rows_p, pos % page] = k_new
             self.v[rows_p, pos % page] = v_new
             self._lens[seq] = length + n
+            if n and not np.isfinite(np.asarray(v_new, np.float32)).all():
+                self.values_finite = False
+            if self.k_dev is not None and length + n > first:
+                # The rows written above (and the copied ones), from the
+                # mirror, into the device pool in place.
+                pos = np.arange(first, length + n)
+                slot_p = np.asarray(pages, np.int64)[pos // page]
+                slots = np.stack([slot_p, pos % page], axis=1).astype(np.int32)
+                self._append_fn(np.ascontiguousarray(self.k[slot_p, pos % page]),
+                                np.ascontiguousarray(self.v[slot_p, pos % page]), slots, self.k_dev, self.v_dev)
 
     # -- batches -------------------------------------------------------------
 
@@ -142,6 +177,20 @@ class PagedKVCache:
         for i, r in enumerate(rows):
             bt[i, : len(r)] = r
         return bt, np.array(lens, np.int32)
+
+    def attend(self, q, seqs, **kwargs):
+        """fmha_fwd_paged over sequences `seqs` of this cache (q as there:
+        [len(seqs), seqlen_q, nhead_q, hdim], or group mode with
+        seqstart_q), on the device pool when there is one."""
+        from .api import fmha_fwd_paged
+
+        bt, sk = self.batch(seqs)
+        if self.session is not None:
+            kwargs.setdefault("session", self.session)
+            kwargs.setdefault("device", self.session.device)
+        k, v = (self.k_dev, self.v_dev) if self.k_dev is not None else (self.k, self.v)
+        kwargs.setdefault("kv_rows_finite", self.values_finite)
+        return fmha_fwd_paged(q, k, v, bt, sk, **kwargs)
 
     def gather(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's K and V as contiguous [seqlen, nhead_k, hdim]

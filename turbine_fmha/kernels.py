@@ -30,7 +30,7 @@ from iree.turbine.runtime.op_reg.base import (
 )
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from .variants import FP8_DTYPES, UNBOUNDED, Variant
+from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant
 
 
 def mlir_dir() -> Path:
@@ -207,6 +207,66 @@ class PagedKVFwdOnline(_PagedKVFwd):
     static_rows = True
 
 
+class PagedKVAppend(CustomOp):
+    """Scatters new tokens' K/V into their pages, returning the updated
+    caches."""
+
+    signature = (
+        "turbine_fmha_pagedkv_append(Tensor k_new, Tensor v_new, Tensor slots, "
+        "Tensor k_cache, Tensor v_cache) -> (Tensor, Tensor)"
+    )
+
+    def select(self, ksel: KernelSelection):
+        kn, vn, slots, kc, vc = (ksel.arg_tensor(i) for i in range(5))
+        torch._check(kc.t.dtype in _TORCH_DTYPE.values(), lambda: f"unsupported dtype {kc.t.dtype}")
+        torch._check(kn.t.dtype == kc.t.dtype and vn.t.dtype == vc.t.dtype == kc.t.dtype, lambda: "dtype mismatch")
+        kn.specialize_dims(1, 2)
+        vn.specialize_dims(1, 2)
+        slots.specialize_dims(1)
+        kc.specialize_dims(1, 2, 3)
+        vc.specialize_dims(1, 2, 3)
+        ksel.return_new_tensor(list(kc.t.shape), kc.t.dtype).specialize_dims(1, 2, 3)
+        ksel.return_new_tensor(list(vc.t.shape), vc.t.dtype).specialize_dims(1, 2, 3)
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        kc, vc = ksel.arg_descs[3].t, ksel.arg_descs[4].t
+        p = dict(dt=_DTYPE_NAME[kc.dtype], HK=kc.shape[2], D=kc.shape[3], DV=vc.shape[3], PAGE=kc.shape[1])
+        func_name = f"pagedkv_append_impl_{p['dt']}_h{p['HK']}_d{p['D']}x{p['DV']}_pg{p['PAGE']}"
+        func = _TEMPLATES.inline_template_function(kb, "pagedkv_append", func_name, func_name=func_name, **p)
+        kb.yield_results(*call_function(func, *(kb.arg_value(i) for i in range(5))))
+
+
+def render_append(a: AppendKernel) -> str:
+    """MLIR module text for `a`, with public entry point `a.name` whose two
+    cache arguments are also its outputs (iree.abi.output): IREE writes the
+    results into the caller's cache buffers instead of new ones."""
+    from iree.compiler.ir import ArrayAttr, DictAttr, IntegerAttr, IndexType
+
+    if "turbine.turbine_fmha_pagedkv_append" not in ALL_CUSTOM_OP_REGS:
+        CustomOp.register(PagedKVAppend)
+    op = ALL_CUSTOM_OP_REGS["turbine.turbine_fmha_pagedkv_append"]
+    dt = _TORCH_DTYPE[a.dtype]
+
+    def t(*shape, dtype=dt):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    idx = torch.int32
+    args = [t(2, a.nhead_k, a.hdim), t(2, a.nhead_k, a.hdim_v), t(2, 2, dtype=idx),
+            t(3, a.page_block_size, a.nhead_k, a.hdim), t(3, a.page_block_size, a.nhead_k, a.hdim_v)]
+    ksel = EagerKernelSelection(op, args)
+    op.select(ksel)
+    kb = FreeFuncKernelBuilder.create_module(ksel, func_name=a.name)
+    with kb.ip, Location.unknown():
+        op.generate(ksel, kb)
+        func = next(o for o in kb.module_op.body.operations if o.operation.name == "func.func")
+        attrs = [DictAttr.get({}) for _ in range(5)]
+        for arg, result in ((3, 0), (4, 1)):
+            attrs[arg] = DictAttr.get({"iree.abi.output": IntegerAttr.get(IndexType.get(), result)})
+        func.operation.attributes["arg_attrs"] = ArrayAttr.get(attrs)
+    kb.module_op.verify()
+    return kb.module_op.get_asm()
+
+
 _OPS: dict[str, _PagedKVFwd] = {}
 
 
@@ -259,8 +319,10 @@ def example_args(v: Variant) -> list:
     ]
 
 
-def render_variant(v: Variant) -> str:
+def render_variant(v: Variant | AppendKernel) -> str:
     """MLIR module text for `v`, with public entry point `v.name`."""
+    if isinstance(v, AppendKernel):
+        return render_append(v)
     op = _op(v.formulation)
     ksel = EagerKernelSelection(op, example_args(v))
     op.select(ksel)

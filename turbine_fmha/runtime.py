@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
-from .variants import KERNEL_ABI, Variant, online_unsupported
+from .variants import KERNEL_ABI, AppendKernel, Variant, online_unsupported, parse_kernel
 
 ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
 ENV_CACHE = "TURBINE_FMHA_CACHE"
@@ -146,7 +146,7 @@ class Session:
             if a.get("target") != self.target.name:
                 continue
             try:
-                variant = Variant.parse(a["variant"])
+                variant = parse_kernel(a["variant"])
             except (KeyError, ValueError):
                 # Built by an older version whose variant rules allowed it
                 # (e.g. an online kernel since found to be wrong): never load.
@@ -157,7 +157,8 @@ class Session:
                 continue
             if a["variant"] not in self._index:
                 self._index[a["variant"]] = dict(a, _dir=str(directory))
-                self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
+                if isinstance(variant, Variant):
+                    self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
 
     def available_variants(self) -> list[Variant]:
         return [Variant.parse(n) for n in sorted(self._index)]
@@ -200,7 +201,7 @@ class Session:
         from .build import build
 
         build(self.cache_dir, [self.target.name], [variant])
-        if self._index.pop(variant.name, None) is not None:
+        if self._index.pop(variant.name, None) is not None and isinstance(variant, Variant):
             self._by_problem[_problem_key(variant.problem)].remove(variant)
         self._read_manifest(self.cache_dir)
         return self._index[variant.name]
@@ -238,6 +239,14 @@ class Session:
         return loaded
 
     # -- execution ----------------------------------------------------------
+
+    def append_function(self, kernel: AppendKernel):
+        """The loaded in-place append kernel (PagedKVCache on a device)."""
+        return self._load(kernel).function
+
+    def device_of(self):
+        """The IREE HAL device this session runs on."""
+        return self._iree_config().device
 
     @property
     def last_variant(self) -> Variant | None:

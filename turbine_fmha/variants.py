@@ -373,3 +373,54 @@ def target_unsupported(variant: Variant, target_kind: str) -> str | None:
     is where a target-specific exclusion belongs.
     """
     return None
+
+
+_APPEND_RE = re.compile(r"^pagedkv_append_(?P<dtype>f16|bf16|f32)_h(?P<hk>\d+)_d(?P<d>\d+)x(?P<dv>\d+)_pg(?P<page>\d+)$")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class AppendKernel:
+    """The in-place append of tokens' K/V into a page pool (PagedKVCache on
+    a device). Named and built like the attention variants."""
+
+    dtype: str
+    nhead_k: int
+    hdim: int
+    hdim_v: int
+    page_block_size: int
+
+    def __post_init__(self):
+        if self.dtype not in ("f16", "bf16", "f32"):
+            raise ValueError(f"append kernels take f16/bf16/f32 caches, got dtype={self.dtype!r}")
+        for f in ("nhead_k", "hdim", "hdim_v", "page_block_size"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+
+    @property
+    def name(self) -> str:
+        return f"pagedkv_append_{self.dtype}_h{self.nhead_k}_d{self.hdim}x{self.hdim_v}_pg{self.page_block_size}"
+
+    @classmethod
+    def parse(cls, name: str) -> "AppendKernel":
+        m = _APPEND_RE.match(name)
+        if not m:
+            raise ValueError(f"not an append kernel name: {name!r}")
+        g = m.groupdict()
+        return cls(g["dtype"], int(g["hk"]), int(g["d"]), int(g["dv"]), int(g["page"]))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_kernel(name: str):
+    """A Variant or an AppendKernel from its name."""
+    if name.startswith("pagedkv_append_"):
+        return AppendKernel.parse(name)
+    return Variant.parse(name)
+
+
+def default_append_kernels(gpu: bool) -> list[AppendKernel]:
+    """Append kernels for the default sets' cache shapes."""
+    if gpu:
+        return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16") for page in (16, 64)]
+    return [AppendKernel(dt, 8, hd, hd, page) for dt in ("f16", "bf16", "f32") for hd in DEFAULT_HDIMS for page in DEFAULT_PAGES]
