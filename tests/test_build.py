@@ -12,7 +12,7 @@ import pytest
 import turbine_fmha
 from conftest import CACHE, make_problem, run_and_check
 from turbine_fmha import build as tfb
-from turbine_fmha.variants import Variant, gpu_default_set, host_default_set
+from turbine_fmha.variants import AppendKernel, Variant, default_append_kernels, gpu_default_set, host_default_set
 
 SMALL = [
     Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
@@ -142,7 +142,7 @@ def test_gpu_default_set_compiles(target):
     no `error:` on stderr; fp16/bf16 prefill must use the matrix cores with no
     spills or scratch (read from the ISA IREE dumps)."""
     out = CACHE / "gpu-default"
-    tfb.build(out, [target], gpu_default_set())
+    tfb.build(out, [target], gpu_default_set() + default_append_kernels(gpu=True))
     m = json.loads((out / "manifest.json").read_text())
     entries = {a["variant"]: a for a in m["artifacts"] if a["target"] == target}
     assert {v.name for v in gpu_default_set()} <= set(entries)
@@ -232,3 +232,12 @@ def test_tuning_untiles_the_attention_head_dim():
     assert edited == text.replace("workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]")
     assert untile_head_dim(edited) is None  # already whole
     assert untile_head_dim("linalg.generic") is None
+
+
+def test_append_kernel_names_roundtrip():
+    from turbine_fmha.variants import parse_kernel
+
+    for a in default_append_kernels(gpu=True) + default_append_kernels(gpu=False):
+        assert parse_kernel(a.name) == a == AppendKernel.parse(a.name)
+    with pytest.raises(ValueError):
+        AppendKernel("f8e4m3fn", 8, 128, 128, 16)
