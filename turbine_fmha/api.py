@@ -102,13 +102,43 @@ class _DeviceCache:
         self.dtype = np.dtype(array.dtype)
 
 
+class _TorchDeviceCache(_DeviceCache):
+    """A torch CUDA/HIP tensor cache, imported into the session's device
+    zero-copy through DLPack when the call runs (`bind`)."""
+
+    def __init__(self, tensor):
+        import torch
+
+        self.tensor = tensor.detach()
+        self.array = None
+        self.shape = tuple(int(d) for d in tensor.shape)
+        self.ndim = len(self.shape)
+        self.dtype = _bf16() if tensor.dtype == torch.bfloat16 else np.dtype(str(tensor.dtype).split(".")[-1])
+
+    def bind(self, session):
+        import iree.runtime as rt
+
+        t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
+        # The kernels run on IREE's stream: finish torch's writes first.
+        import torch
+
+        torch.cuda.synchronize(t.device)
+        device = session.device_of()
+        self._keep = t
+        self.array = rt.DeviceArray(device, device.from_dlpack_capsule(t.__dlpack__(stream=None)))
+
+
 def _is_device_array(x) -> bool:
     t = type(x)
     return t.__name__ == "DeviceArray" and t.__module__.startswith("iree.runtime")
 
 
 def _cache_array(x, name: str):
-    return _DeviceCache(x) if _is_device_array(x) else _to_numpy(x, name)
+    if _is_device_array(x):
+        return _DeviceCache(x)
+    if _is_torch(x) and x.device.type == "cuda" and "float8" not in str(x.dtype):
+        return _TorchDeviceCache(x)
+    return _to_numpy(x, name)
 
 
 def _from_numpy(a: np.ndarray, like):
@@ -187,7 +217,9 @@ def fmha_fwd_paged(
       k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q:
         a numpy array / torch tensor, or an iree.runtime DeviceArray on the
         session's device (used in place, no copy; PagedKVCache with a
-        session keeps its pool that way).
+        session keeps its pool that way). torch CUDA/HIP caches are imported
+        zero-copy through DLPack when the session is for cuda/hip (after a
+        torch.cuda.synchronize); other torch tensors are copied.
       v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype; with
         v_layout="col", [num_pages, nhead_k, hdim_v, page_block_size].
         An fp8 KV cache (ml_dtypes/torch float8_e4m3fn, _e4m3fnuz, _e5m2,
@@ -471,7 +503,11 @@ def fmha_fwd_paged(
         if kv_fp8:
             raise TypeError("fp8 caches on the device are not supported yet; pass them as host arrays")
         for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if a.array._device is not session.device_of():
+            if isinstance(a, _TorchDeviceCache):
+                if session.device not in ("cuda", "hip"):
+                    raise ValueError(f"{name} is a torch GPU tensor but the session is for {session.device!r}")
+                a.bind(session)
+            elif a.array._device is not session.device_of():
                 raise ValueError(f"{name} is a DeviceArray of another device than the session's ({session.device})")
 
     # --- everything below runs only on validated arguments ---------------
