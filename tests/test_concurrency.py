@@ -76,3 +76,21 @@ def test_async_futures(explicit_session, rng):
         assert "mask_type" in str(e)
     else:
         raise AssertionError("invalid mask_type was accepted")
+
+
+def test_sessions_share_device_and_modules(rng):
+    """Two sessions on one device share the IREE device and each loaded
+    module (runtime._CONFIGS / _MODULES), and still compute the same."""
+    from conftest import CACHE
+    from turbine_fmha import runtime
+
+    kw = dict(compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none")
+    a, b = turbine_fmha.Session("cpu", **kw), turbine_fmha.Session("cpu", **kw)
+    prob, _ = _problems(rng, 1)[0]
+    out_a = turbine_fmha.fmha_fwd_paged(*prob, session=a)
+    out_b = turbine_fmha.fmha_fwd_paged(*prob, session=b)
+    np.testing.assert_array_equal(out_a, out_b)
+    assert a.device_of() is b.device_of()
+    va, vb = a._load(a.last_variant), b._load(b.last_variant)
+    assert va.vm_module is vb.vm_module
+    assert len({id(m) for m in runtime._MODULES.values()}) == len(runtime._MODULES)

@@ -166,11 +166,7 @@ class Session:
     def _iree_config(self):
         with self._lock:
             if self._config is None:
-                import iree.runtime as rt
-
-                if self.target.driver == "local-task":
-                    _set_cpu_topology_once()
-                self._config = rt.Config(self.target.driver)
+                self._config = _shared_config(self.target.driver)
             return self._config
 
     def _load(self, variant: Variant) -> _Loaded:
@@ -227,10 +223,15 @@ class Session:
         if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
             raise ArtifactError(f"sha256 of {path} does not match its manifest entry")
         config = self._iree_config()
-        try:
-            vm_module = rt.VmModule.copy_buffer(config.vm_instance, data)
-        except Exception as e:  # the runtime's own message says what is wrong
-            raise ArtifactError(f"cannot load {path}: {e}") from None
+        key = (self.target.driver, entry.get("sha256"))
+        with _SHARED_LOCK:
+            vm_module = _MODULES.get(key)
+            if vm_module is None:
+                try:
+                    vm_module = rt.VmModule.copy_buffer(config.vm_instance, data)
+                except Exception as e:  # the runtime's own message says what is wrong
+                    raise ArtifactError(f"cannot load {path}: {e}") from None
+                _MODULES[key] = vm_module
         loaded = _Loaded(variant, vm_module, config)
         try:
             loaded.function  # resolve the entry point now: a bad module fails here
@@ -370,6 +371,26 @@ def cpu_threads() -> int:
 # an H100/H200 (132); CUs of an MI300X (304). The IREE runtime does not
 # report them, so a service on other hardware sets Session(compute_units=).
 DEFAULT_COMPUTE_UNITS = {"cuda": 132, "hip": 304}
+
+
+# One IREE device per driver and one loaded module per artifact (by sha256)
+# for the whole process: sessions share them, so a second session on the
+# same GPU neither opens another device nor loads a kernel twice.
+_SHARED_LOCK = threading.Lock()
+_CONFIGS: dict[str, object] = {}
+_MODULES: dict[tuple, object] = {}
+
+
+def _shared_config(driver: str):
+    with _SHARED_LOCK:
+        config = _CONFIGS.get(driver)
+        if config is None:
+            import iree.runtime as rt
+
+            if driver == "local-task":
+                _set_cpu_topology_once()
+            config = _CONFIGS[driver] = rt.Config(driver)
+        return config
 
 
 _DEFAULT_SESSIONS: dict[str, Session] = {}
