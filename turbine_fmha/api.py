@@ -591,6 +591,12 @@ def fmha_fwd_paged(
             vc = np.ascontiguousarray(v_cache)
         if kv_fp8:  # the kernels take fp8 caches as i8 and decode them
             kc, vc = kc.view(np.int8), vc.view(np.int8)
+        if not on_device:
+            # CPU sessions read host caches in place instead of copying the
+            # whole pool into IREE buffers on every call.
+            kc_d, vc_d = session.import_host(kc), session.import_host(vc)
+            if kc_d is not None and vc_d is not None:
+                kc, vc = kc_d, vc_d
         if group:
             out_b = np.empty((active.size, rows, nhead_q, hdim_v), q.dtype)
             lse_b = np.empty((active.size, nhead_q, rows), np.float32)

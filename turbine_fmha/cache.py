@@ -43,8 +43,10 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         dt = _dtype(dtype)
         self.page_block_size = int(page_block_size)
-        self.k = np.zeros((num_pages, page_block_size, nhead_k, hdim), dt)
-        self.v = np.zeros((num_pages, page_block_size, nhead_k, hdim_v or hdim), dt)
+        # 64-byte aligned: CPU sessions then read the pool in place
+        # (Session.import_host) instead of copying it on every call.
+        self.k = aligned_zeros((num_pages, page_block_size, nhead_k, hdim), dt)
+        self.v = aligned_zeros((num_pages, page_block_size, nhead_k, hdim_v or hdim), dt)
         self._refs = np.zeros(num_pages, np.int32)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id
         self._pages: dict[int, list[int]] = {}
@@ -218,3 +220,13 @@ def _dtype(d) -> np.dtype:
         if d in ("f16", "f32"):
             return np.dtype({"f16": np.float16, "f32": np.float32}[d])
     return np.dtype(d)
+
+
+def aligned_zeros(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """np.zeros whose data starts on an `alignment`-byte boundary (numpy
+    gives 16): such arrays can be handed to CPU kernels without a copy."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(n + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + n].view(dtype).reshape(shape)

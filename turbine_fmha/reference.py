@@ -94,6 +94,17 @@ def _fp8_dtype(a):
     return dt if dt is not None and "float8" in str(dt) else None
 
 
+class _Scaled:
+    """A cache in its own dtype with its dequantization scale."""
+
+    def __init__(self, array, scale):
+        self.array, self.scale = array, scale
+        self.shape = array.shape
+
+    def gather(self, pages, seqlen, offset):
+        return gather_pages(self.array, pages, seqlen, offset).astype(np.float64) * self.scale
+
+
 def gather_pages(cache: np.ndarray, pages: np.ndarray, seqlen: int, offset: int = 0) -> np.ndarray:
     """Keys 0..seqlen-1 of a sequence whose pages are `pages` (in order): key
     t is table position offset + t (offset > 0: gappy KV)."""
@@ -142,10 +153,12 @@ def fmha_fwd_paged_ref(
         quant = (fmt, float(ml_dtypes.finfo(fmt).max) if p_scale is None else p_scale,
                  1.0 if out_scale is None else out_scale)
     q = np.asarray(q).astype(np.float64) * (1.0 if q_scale is None else q_scale)
-    k_cache = np.asarray(k_cache).astype(np.float64) * (1.0 if k_scale is None else k_scale)
-    v_cache = np.asarray(v_cache).astype(np.float64) * (1.0 if v_scale is None else v_scale)
+    # The caches stay in their dtype (a pool may be far larger than what a
+    # call reads); each sequence's gathered rows are converted and scaled.
+    k_cache = _Scaled(np.asarray(k_cache), 1.0 if k_scale is None else k_scale)
+    v_cache = _Scaled(np.asarray(v_cache), 1.0 if v_scale is None else v_scale)
     if v_layout == "col":  # [pages, nhead_k, hdim_v, page] -> row-major
-        v_cache = v_cache.transpose(0, 3, 1, 2)
+        v_cache = _Scaled(v_cache.array.transpose(0, 3, 1, 2), v_cache.scale)
     block_table = np.asarray(block_table)
     seqlen_k = np.asarray(seqlen_k)
     if scale is None:
@@ -193,8 +206,8 @@ def _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slop
     for bi in range(b):
         sk = int(seqlen_k[bi])
         off = 0 if kv_offset is None else int(kv_offset[bi])
-        k = gather_pages(k_cache, block_table[bi], sk, off)  # [sk, hk, d]
-        v = gather_pages(v_cache, block_table[bi], sk, off)
+        k = k_cache.gather(block_table[bi], sk, off)  # [sk, hk, d] float64
+        v = v_cache.gather(block_table[bi], sk, off)
         vis = visible_mask(sq, sk, mask_type, window_size_left, window_size_right, sink_size)
         for h in range(hq):
             s = scale * (q[bi, :, h, :] @ k[:, h // group, :].T)  # [sq, sk]

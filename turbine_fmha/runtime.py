@@ -249,6 +249,36 @@ class Session:
         """The IREE HAL device this session runs on."""
         return self._iree_config().device
 
+    def import_host(self, array):
+        """A DeviceArray over a C-contiguous numpy array's own memory (no
+        copy) on a CPU session, or None where that is not possible (GPU
+        sessions, dtypes without an IREE element type). The array must stay
+        alive and unchanged while calls use it."""
+        import numpy as np
+
+        # The kernels assume 64-byte aligned bindings (aligned vector loads):
+        # importing a less aligned array crashes them, so copy those.
+        if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % 64:
+            return None
+        import iree.runtime as rt
+
+        et = {
+            np.dtype(np.float16): rt.HalElementType.FLOAT_16,
+            np.dtype(np.float32): rt.HalElementType.FLOAT_32,
+            np.dtype(np.int8): rt.HalElementType.SINT_8,
+        }.get(array.dtype)
+        if et is None and array.dtype.name == "bfloat16":
+            et = rt.HalElementType.BFLOAT_16
+        if et is None:
+            return None
+        device = self.device_of()
+        try:
+            buf = device.allocator.import_host_allocation(
+                array, rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE, rt.BufferUsage.DEFAULT)
+        except Exception:  # e.g. an alignment the allocator refuses: copy instead
+            return None
+        return rt.DeviceArray(device, rt.HalBufferView(buf, list(array.shape), et))
+
     @property
     def last_variant(self) -> Variant | None:
         """The variant that served this thread's latest kernel call."""
