@@ -20,6 +20,18 @@ from turbine_fmha.reference import fmha_fwd_paged_ref
 from turbine_fmha.variants import UNBOUNDED, Variant
 
 
+def _gappy_problem(rng, dtype, sq, lens, *, max_offset, page=16):
+    """Gappy paged problem (8/2 heads, hdim 64): garbage table slots, NaN in
+    the spare pages. Returns q, k, v, table, offsets."""
+    offsets = [int(rng.integers(0, max_offset)) for _ in lens]
+    table, num_pages, spare = _gappy_table(rng, lens, offsets, page)
+    k, v = _pool(rng, dtype, num_pages, page, 2, 64, 64)
+    k[spare] = np.nan
+    v[spare] = np.nan
+    q = rng.standard_normal((len(lens), sq, 8, 64)).astype(k.dtype)
+    return q, k, v, table, offsets
+
+
 @pytest.fixture
 def sessions(explicit_session, online_session):
     return {"explicit": explicit_session, "online": online_session}
@@ -47,15 +59,9 @@ def test_split_kv_decode(sessions, rng, formulation, num_splits):
 def test_split_kv_features_gappy(sessions, rng, formulation, feature):
     """Split-KV keeps absolute key positions: masks, ALiBi, bias and gappy
     offsets must come out as without splits."""
-    page = 16
     b, sq = 3, int(rng.integers(1, 12))
     lens = [int(rng.integers(sq, 120)) for _ in range(b)]
-    offsets = [int(rng.integers(0, 40)) for _ in range(b)]
-    table, num_pages, spare = _gappy_table(rng, lens, offsets, page)
-    k, v = _pool(rng, "f32", num_pages, page, 2, 64, 64)
-    k[spare] = np.nan
-    v[spare] = np.nan
-    q = rng.standard_normal((b, sq, 8, 64)).astype(np.float32)
+    q, k, v, table, offsets = _gappy_problem(rng, "f32", sq, lens, max_offset=40)
     kw = dict(mask_type="bottom_right", window_size_right=0)
     if feature == "alibi":
         kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (b, 8)).astype(np.float32)
@@ -112,15 +118,9 @@ def test_causal_prefill_with_block_skipping(sessions, rng, formulation):
     """Long causal prefill over a longer cache (chunked prefill), gappy,
     with a sliding window and sink tokens: every chunk of rows sees only
     the pages up to its diagonal."""
-    page = 16
     b, sq = 2, int(rng.integers(260, 400))
     lens = [sq + int(rng.integers(0, 100)) for _ in range(b)]
-    offsets = [int(rng.integers(0, 30)) for _ in range(b)]
-    table, num_pages, spare = _gappy_table(rng, lens, offsets, page)
-    k, v = _pool(rng, "f16", num_pages, page, 2, 64, 64)
-    k[spare] = np.nan
-    v[spare] = np.nan
-    q = rng.standard_normal((b, sq, 8, 64)).astype(np.float16)
+    q, k, v, table, offsets = _gappy_problem(rng, "f16", sq, lens, max_offset=30)
     for kw in (dict(mask_type="bottom_right", window_size_right=0),
                dict(mask_type="top_left", window_size_left=64, window_size_right=3, sink_size=4)):
         out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, np.array(lens, np.int32),

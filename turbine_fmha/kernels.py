@@ -6,6 +6,8 @@ Jinja template from the repo's `mlir/` directory into the kernel module.
 `render_variant` drives the same machinery for ahead-of-time builds: it makes
 a `KernelSelection` from meta tensors shaped like the variant and returns
 the MLIR module text that `turbine_fmha.build` hands to iree-compile.
+`PagedKVAppend` / `render_append` do the same for the in-place append
+kernel of device-resident page pools.
 
 Imports torch and iree-turbine: build-time only. The runtime does not need
 this module.
