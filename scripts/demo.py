@@ -26,13 +26,15 @@ TOL = {"f16": 1e-2, "bf16": 2e-2, "f32": 1e-5}
 NP_DTYPE = {"f16": np.float16, "f32": np.float32}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", default=str(Path(__file__).resolve().parent.parent / "artifacts"))
     ap.add_argument("--seed", type=int, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--compile-missing", action="store_true",
+                    help="compile the variants it needs into the cache instead of requiring built artifacts")
+    args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    session = turbine_fmha.Session("cpu", artifact_dir=args.artifacts)
+    session = turbine_fmha.Session("cpu", artifact_dir=args.artifacts, compile_missing=args.compile_missing)
 
     nhead_q, nhead_k, hdim, page = 32, 8, 128, 16
     num_pages = 512

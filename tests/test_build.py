@@ -241,3 +241,16 @@ def test_append_kernel_names_roundtrip():
         assert parse_kernel(a.name) == a == AppendKernel.parse(a.name)
     with pytest.raises(ValueError):
         AppendKernel("f8e4m3fn", 8, 128, 128, 16)
+
+
+def test_decode_keeps_its_mask_when_only_that_variant_is_built(tmp_path, rng):
+    """One-row bottom-right decode may run a mask-free kernel, but only one
+    the session has: with just the causal sink variant built, the call
+    must use it (scripts/demo.py once failed this way)."""
+    v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right", sinks=True)
+    tfb.build(tmp_path, ["host"], [v])
+    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
+    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 7], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    run_and_check(s, prob, dtype="f16", mask_type="bottom_right", window_size_right=0,
+                  sinks=rng.uniform(-1, 1, 4).astype(np.float32))
+    assert s.last_variant == v

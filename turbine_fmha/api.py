@@ -517,12 +517,6 @@ def fmha_fwd_paged(
     lse.fill(-np.inf)
     active = np.nonzero(seqlens_q > min_seqlen_q)[0] if group else np.arange(batch)
     if active.size and seqlens_q[active].max() > 0:
-        # A bottom-right mask with no left edge hides nothing from one-row
-        # (decode) queries: run the mask-free kernels, which every target's
-        # default set has for decode. ALiBi keeps it (its causal form differs).
-        kernel_mask = mask_type
-        if mask_type == "bottom_right" and left < 0 and slopes is None and seqlens_q[active].max() == 1:
-            kernel_mask = "none"
         problem = dict(
             dtype=dt,
             hdim_q=hdim_q,
@@ -530,7 +524,7 @@ def fmha_fwd_paged(
             nhead_q=nhead_q,
             nhead_k=nhead_k,
             page_block_size=page,
-            mask=kernel_mask,
+            mask=mask_type,
             bias="alibi" if slopes is not None else ("elementwise" if bias_a is not None else "none"),
             bias_shape="",
             softcap=cap > 0,
@@ -539,6 +533,13 @@ def fmha_fwd_paged(
             kv_dtype="" if squant else (kv_fp8 or ""),
         )
         rows = int(seqlens_q[active].max())
+        # A bottom-right mask with no left edge hides nothing from one-row
+        # (decode) queries: run the mask-free kernels when the session has
+        # them (GPU default sets have decode tiles only without a mask).
+        # ALiBi keeps the mask (its causal form differs).
+        if mask_type == "bottom_right" and left < 0 and slopes is None and rows == 1:
+            if session.serves(dict(problem, mask="none")):
+                problem["mask"] = "none"
         if group:
             qb = np.zeros((active.size, rows) + q.shape[1:], q.dtype)
             for i, b in enumerate(active):

@@ -343,6 +343,14 @@ class Session:
 
         return min(cands, key=cost)
 
+    def serves(self, problem: dict) -> bool:
+        """Whether select() can find (or, with compile_missing, build) a
+        variant for `problem`."""
+        if self.compile_missing:
+            return True
+        formulation = self._formulation_for(problem)
+        return any(v.formulation == formulation for v in self._by_problem.get(_problem_key(problem), []))
+
     def _formulation_for(self, problem: dict) -> str:
         """The session's formulation, unless the online one cannot serve the
         problem (variants.online_unsupported): then the explicit one."""
