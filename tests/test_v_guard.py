@@ -13,7 +13,7 @@ import pytest
 import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
-from turbine_fmha.plan import stale_v_rows_finite
+from turbine_fmha.plan import stale_rows_finite
 from turbine_fmha.reference import fmha_fwd_paged_ref
 
 
@@ -43,7 +43,7 @@ def test_nan_past_seqlen_k_runs_guarded(online_session, rng, num_splits):
     last = bt[b, (lens[b] - 1) // 16]
     v[last, lens[b] % 16 :] = np.nan
     k[last, lens[b] % 16 :] = np.inf
-    assert not stale_v_rows_finite(v, bt, sk, np.zeros(4, np.int32), 16)
+    assert not stale_rows_finite(k, v, bt, sk, np.zeros(4, np.int32), 16)
     variant = _run(online_session, q, k, v, bt, sk, num_splits=num_splits)
     assert variant.v_guard
 
@@ -61,3 +61,29 @@ def test_nan_before_gappy_offset_runs_guarded(online_session, rng):
     v[table[0, 0], :5] = 0.0
     variant = _run(online_session, q, k, v, table, sk, kv_offset=np.array(offsets, np.int32))
     assert not variant.v_guard
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online"])
+def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, online_session, rng, formulation):
+    """NaN in q, or in a visible key's K or V, makes exactly the rows that
+    see it NaN, as in the reference; every other row stays exact. (The
+    online kernels do this without the stale-row guard, which the runtime
+    picks here since the stale rows are finite.)"""
+    session = explicit_session if formulation == "explicit" else online_session
+    lens = [40, 33, 17]
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=lens,
+                                   nhead_q=8, nhead_k=2, hdim=64, page=16, spare_pages=0, extra_slots=0)
+    q[0, 2, 3, 7] = np.nan  # one query row of one head
+    k[bt[1, 0], 4, 1, 0] = np.nan  # key 4 of sequence 1, KV head 1 (query heads 4-7)
+    v[bt[2, 1], 0, 0, 5] = np.nan  # key 16 of sequence 2, KV head 0, one dim
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=session, **kw)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    out64 = out.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(out64), np.isnan(ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    assert np.isnan(ref).any() and not np.isnan(ref).all()
+    fin = ~np.isnan(ref)
+    assert np.abs(out64[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
+    if formulation == "online":
+        assert not session.last_variant.v_guard

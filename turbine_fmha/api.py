@@ -22,7 +22,7 @@ from .plan import (
     num_splits_heuristic,
     plan_calls,
     split_kv,
-    stale_v_rows_finite,
+    stale_rows_finite,
 )
 from .runtime import Session, default_session
 from .variants import UNBOUNDED
@@ -280,9 +280,9 @@ def fmha_fwd_paged(
         (default) chooses from batch * nhead_q * query blocks against the
         session's compute_units (ck_tile's heuristic; splits of >= 512
         keys); 1 disables. Not with fp8 q.
-      kv_rows_finite: True promises that every value row of the caches is
-        finite (PagedKVCache tracks it), which lets GPU kernels skip the V
-        guard without looking at the caches. None (default) checks the rows
+      kv_rows_finite: True promises that every K/V row of the caches is
+        finite (PagedKVCache tracks it), which lets GPU kernels skip the
+        stale-row guard without looking at the caches. None (default) checks the rows
         that hold no key on host caches, and assumes nothing of device
         caches.
       return_lse: also return LSE (float32, natural log); -inf for rows with
@@ -603,15 +603,15 @@ def fmha_fwd_paged(
             lse_b = np.empty((active.size, nhead_q, rows), np.float32)
         else:
             out_b, lse_b = out, lse
-        # Variants without the V guard (GPU) need the value rows that hold
-        # no key to be finite; checking costs a look at one or two pages per
-        # sequence.
+        # Variants without the stale-row guard (GPU) need the K/V rows that
+        # hold no key to be finite; checking costs a look at one or two pages
+        # per sequence.
         stale_v_finite = (
             session._formulation_for(problem) == "online"
             and v_layout == "row"
             and not kv_fp8
             and (kv_rows_finite if kv_rows_finite is not None
-                 else not on_device and stale_v_rows_finite(v_cache, bt, call.seqlen_k, call.kv_shift, page))
+                 else not on_device and stale_rows_finite(k_cache, v_cache, bt, call.seqlen_k, call.kv_shift, page))
         )
         if num_splits is None:
             keys = int(seqlen_k[active].max())

@@ -6,8 +6,9 @@ last page only when it writes into it), and are freed. `batch` turns a list
 of sequences into the block table and seqlen_k that `fmha_fwd_paged` takes.
 
 The pool is zero-initialized, so rows that hold no token are finite, and
-the cache tracks whether every value ever appended was finite: then the GPU
-kernels without the V guard can serve it (fmha_fwd_paged's kv_rows_finite).
+the cache tracks whether every K/V row ever appended was finite: then the
+GPU kernels without the stale-row guard can serve it (fmha_fwd_paged's
+kv_rows_finite).
 
 With a `session`, the pool also lives on that session's device (IREE device
 arrays `k_dev`/`v_dev`): appends write only the new rows there, through an
@@ -156,7 +157,8 @@ class PagedKVCache:
             self.k[rows_p, pos % page] = k_new
             self.v[rows_p, pos % page] = v_new
             self._lens[seq] = length + n
-            if n and not np.isfinite(np.asarray(v_new, np.float32)).all():
+            if n and not (np.isfinite(np.asarray(k_new, np.float32)).all()
+                          and np.isfinite(np.asarray(v_new, np.float32)).all()):
                 self.values_finite = False
             if self.k_dev is not None and length + n > first:
                 # The rows written above (and the copied ones), from the

@@ -266,43 +266,49 @@ def combine_splits(o: np.ndarray, l: np.ndarray, n: int, sinks: np.ndarray | Non
     return out, lse
 
 
-def stale_v_rows_finite(v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
-                        kv_shift: np.ndarray, page: int) -> bool:
-    """Whether the value rows that a kernel reads but that hold no key are
-    finite, so that a variant without the V guard gives exact results.
+def stale_rows_finite(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
+                      kv_shift: np.ndarray, page: int) -> bool:
+    """Whether the K and V rows that a kernel reads but that hold no key are
+    finite, so that a variant without the stale-row guard gives exact
+    results (Variant.v_guard).
 
     Those rows are the tail of each sequence's last page (past seqlen_k) and,
     with gappy KV, the head of its first page (before kv_shift). Unused
-    table slots never count: the runtime points them at the sequence's own
-    first page (fill_unused_slots), and a sequence without keys has its
-    output forced to 0 anyway. v_cache is row-major [pages, page, hk, dv].
+    table slots read the sequence's own first page, or another sequence's
+    for one without keys (fill_unused_slots). Caches are row-major
+    [pages, page, heads, dim]. False when no sequence has a key (every page
+    read would then be unchecked).
     """
     sk = seqlen_k.astype(np.int64)
     ks = kv_shift.astype(np.int64)
     rows = np.arange(page)[None, :]
     have = sk > 0
     if not have.any():
-        return True
+        return False
     last_col = (ks + sk - 1) // page
     b = np.nonzero(have)[0]
     last = block_table[b, last_col[b]]
     tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
     first = block_table[b, 0]
     head = rows < ks[b][:, None]  # rows before the first key (first page)
-    for pages, sel in ((last, tail), (first, head)):
-        if sel.any():
-            vals = v_cache[pages][sel]  # [n_rows, hk, dv]
-            if not np.isfinite(vals.astype(np.float32, copy=False)).all():
-                return False
+    for cache in (k_cache, v_cache):
+        for pages, sel in ((last, tail), (first, head)):
+            if sel.any():
+                vals = cache[pages][sel]  # [n_rows, heads, dim]
+                if not np.isfinite(vals.astype(np.float32, copy=False)).all():
+                    return False
     return True
 
 
 def fill_unused_slots(block_table: np.ndarray, used: np.ndarray) -> None:
     """Points every unused column of row b (at or past used[b]) at the row's
-    first page, in place, so no kernel ever reads a page the sequence does
-    not own: its rows are masked there, but must be finite for variants
-    without the V guard. Rows without pages keep their (clamped) ids; their
-    outputs are zeroed by the kernels."""
+    first page, in place, so no kernel reads a page the sequence does not
+    own: its rows are masked there, but must be finite for variants without
+    the stale-row guard. A row without pages reads the first page of the
+    first row that has one."""
+    donor = next((int(block_table[b, 0]) for b, n in enumerate(used) if n > 0), None)
     for b, n in enumerate(used):
         if n > 0:
             block_table[b, n:] = block_table[b, 0]
+        elif donor is not None:
+            block_table[b, :] = donor

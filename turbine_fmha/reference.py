@@ -223,23 +223,31 @@ def _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slop
                 # P is quantized against the visible max (the sink does not
                 # move it); the sink only joins the denominator.
                 fmt, p_scale, out_scale = quant
-                m0 = np.where(np.isfinite(m), m, 0.0)
+                m0 = np.where(np.isneginf(m), 0.0, m)
                 p = np.exp(s - m0[:, None])
                 l = p.sum(axis=1) + (0.0 if sinks is None else np.exp(sinks[h] - m0))
                 o = (fp8_round(p * p_scale, fmt) @ v[:, h // group, :]) / p_scale
-                o = np.where((l > 0)[:, None], o / np.where(l > 0, l, 1.0)[:, None], 0.0)
-                out[bi, :, h, :] = fp8_round(o / out_scale, fmt)
+                out[bi, :, h, :] = fp8_round(_normalize(o, l) / out_scale, fmt)
             if sinks is not None:
                 m = np.maximum(m, sinks[h])
-            has_mass = np.isfinite(m)
-            m0 = np.where(has_mass, m, 0.0)
+            # A row without visible keys has max -inf: shift by 0 so that its
+            # sum is exactly 0 (output 0, LSE -inf). NaN (or +inf) scores are
+            # not special-cased: they propagate NaN, as exp() does in ck_tile.
+            m0 = np.where(np.isneginf(m), 0.0, m)
             p = np.exp(s - m0[:, None])
             l = p.sum(axis=1)
             if sinks is not None:
                 l = l + np.exp(sinks[h] - m0)
-            nonzero = l > 0
-            lse[bi, h, :] = np.where(nonzero, m0 + np.log(np.where(nonzero, l, 1.0)), -np.inf)
+            empty = l == 0
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lse[bi, h, :] = np.where(empty, -np.inf, m0 + np.log(np.where(empty, 1.0, l)))
             if quant is None:
-                o = p @ v[:, h // group, :]
-                out[bi, :, h, :] = np.where(nonzero[:, None], o / np.where(nonzero, l, 1.0)[:, None], 0.0)
+                out[bi, :, h, :] = _normalize(p @ v[:, h // group, :], l)
     return out, lse
+
+
+def _normalize(o, l):
+    """o / l per row; rows whose sum is exactly 0 (no visible key) are 0."""
+    empty = l == 0
+    with np.errstate(invalid="ignore"):
+        return np.where(empty[:, None], 0.0, o / np.where(empty, 1.0, l)[:, None])

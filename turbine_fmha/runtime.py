@@ -311,7 +311,7 @@ class Session:
         Variant.problem); among static (online) variants, the one that pads
         least, then the one with the fewest launches, then one without the
         V guard, which is allowed only when stale_v_finite says the value
-        rows holding no key are finite (plan.stale_v_rows_finite)."""
+        rows holding no key are finite (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem)
         cands = [
             v for v in self._by_problem.get(_problem_key(problem), [])
