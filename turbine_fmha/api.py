@@ -633,7 +633,10 @@ def fmha_fwd_paged(
             # Split-KV: partial results per run of pages (sinks left out),
             # merged by their LSEs.
             parts = split_kv(call, page, splits)
-            variant = session.select(dict(problem, sinks=False), rows, parts.q.shape[0], stale_v_finite)
+            part_problem = dict(problem, sinks=False)
+            if parts.bias is not None:  # split_kv gives every entry its own bias
+                part_problem["bias_shape"] = "b" + ("h" if parts.bias.shape[1] != 1 else "1")
+            variant = session.select(part_problem, rows, parts.q.shape[0], stale_v_finite)
             o_parts = np.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
             l_parts = np.empty((parts.q.shape[0], nhead_q, rows), np.float32)
             for args, place in plan_calls(variant, parts):
