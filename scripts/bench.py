@@ -38,7 +38,7 @@ import turbine_fmha  # noqa: E402
 from turbine_fmha.api import _bf16  # noqa: E402
 from turbine_fmha import plan as tf_plan  # noqa: E402
 from turbine_fmha.plan import KernelCall, combine_splits, num_splits_heuristic, plan_calls, split_kv  # noqa: E402
-from turbine_fmha.variants import UNBOUNDED, Variant  # noqa: E402
+from turbine_fmha.variants import UNBOUNDED, Variant, bias_shape_of  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPES = {
@@ -125,7 +125,7 @@ def feature_variant(dtype, shape, kw, tiles=None):
     problem = Variant(
         dtype, D, D, HQ, HK, PAGE, kw["mask_type"],
         bias="alibi" if kw.get("alibi_slopes") is not None else ("elementwise" if bias is not None else "none"),
-        bias_shape="" if bias is None else ("b" if bias.shape[0] != 1 else "1") + ("h" if bias.shape[1] != 1 else "1"),
+        bias_shape=bias_shape_of(bias),
         softcap=kw.get("logits_soft_cap", 0.0) > 0, sinks=kw.get("sinks") is not None,
     ).problem
     if tiles is None:
@@ -151,7 +151,7 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     if tiles:
         variant = Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1], v_guard=v_guard)
     else:
-        variant = session.select(problem, shape["seqlen_q"], nb, stale_v_finite=not v_guard)
+        variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard)
     fn = session._load(variant).function
     device = session._iree_config().device
     left, right = kw.get("window_size_left", -1), kw.get("window_size_right", -1)

@@ -25,7 +25,7 @@ from .plan import (
     stale_rows_finite,
 )
 from .runtime import Session, default_session
-from .variants import UNBOUNDED
+from .variants import UNBOUNDED, bias_shape_of
 
 MASK_TYPES = ("none", "top_left", "bottom_right")
 DEVICES = ("cpu", "cuda", "hip")
@@ -117,11 +117,10 @@ class _TorchDeviceCache(_DeviceCache):
 
     def bind(self, session):
         import iree.runtime as rt
+        import torch
 
         t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
         # The kernels run on IREE's stream: finish torch's writes first.
-        import torch
-
         torch.cuda.synchronize(t.device)
         device = session.device_of()
         self._keep = t
@@ -533,13 +532,6 @@ def fmha_fwd_paged(
             kv_dtype="" if squant else (kv_fp8 or ""),
         )
         rows = int(seqlens_q[active].max())
-        # A bottom-right mask with no left edge hides nothing from one-row
-        # (decode) queries: run the mask-free kernels when the session has
-        # them (GPU default sets have decode tiles only without a mask).
-        # ALiBi keeps the mask (its causal form differs).
-        if mask_type == "bottom_right" and left < 0 and slopes is None and rows == 1:
-            if session.serves(dict(problem, mask="none")):
-                problem["mask"] = "none"
         if group:
             qb = np.zeros((active.size, rows) + q.shape[1:], q.dtype)
             for i, b in enumerate(active):
@@ -567,7 +559,7 @@ def fmha_fwd_paged(
                 # The kernels index the bias by gathered row, which gappy KV
                 # shifts per sequence: re-lay it out (per sequence).
                 bias_b = bias_in_table_rows(bias_b, shift, width * page)
-            problem["bias_shape"] = ("b" if bias_b.shape[0] != 1 else "1") + ("h" if bias_b.shape[1] != 1 else "1")
+            problem["bias_shape"] = bias_shape_of(bias_b)
         call = KernelCall(
             q=qb.view(np.int8) if squant else qb,  # fp8 travels as i8
             block_table=bt,
@@ -606,13 +598,30 @@ def fmha_fwd_paged(
         # Variants without the stale-row guard (GPU) need the K/V rows that
         # hold no key to be finite; checking costs a look at one or two pages
         # per sequence.
-        stale_v_finite = (
+        rows_finite = (
             session._formulation_for(problem) == "online"
             and v_layout == "row"
             and not kv_fp8
             and (kv_rows_finite if kv_rows_finite is not None
                  else not on_device and stale_rows_finite(k_cache, v_cache, bt, call.seqlen_k, call.kv_shift, page))
         )
+        # A bottom-right mask with no left edge hides nothing from one-row
+        # (decode) queries: the mask-free kernels may run them, when the
+        # session has them (GPU default sets have decode tiles only without
+        # a mask). ALiBi keeps the mask (its causal form differs).
+        maskless_decode = mask_type == "bottom_right" and left < 0 and slopes is None and rows == 1
+
+        def run(c: KernelCall, prob: dict, out_k, lse_k):
+            # The variant is chosen for the bias layout the call really
+            # passes (gappy KV and split-KV re-lay it out per entry).
+            prob = dict(prob, bias_shape=bias_shape_of(c.bias))
+            if maskless_decode and session.serves(dict(prob, mask="none")):
+                prob["mask"] = "none"
+            variant = session.select(prob, rows, c.q.shape[0], rows_finite)
+            for args, place in plan_calls(variant, c):
+                o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
+                place(out_k, lse_k, o, l)
+
         if num_splits is None:
             keys = int(seqlen_k[active].max())
             # Work items: sequences x query heads x 64-row query blocks, as
@@ -624,24 +633,14 @@ def fmha_fwd_paged(
             splits = num_splits
         splits = min(splits, width)
         if splits == 1:
-            variant = session.select(problem, rows, active.size, stale_v_finite)
-            out_k = out_b.view(np.int8) if squant else out_b
-            for args, place in plan_calls(variant, call):
-                o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
-                place(out_k, lse_b, o, l)
+            run(call, problem, out_b.view(np.int8) if squant else out_b, lse_b)
         else:
             # Split-KV: partial results per run of pages (sinks left out),
             # merged by their LSEs.
             parts = split_kv(call, page, splits)
-            part_problem = dict(problem, sinks=False)
-            if parts.bias is not None:  # split_kv gives every entry its own bias
-                part_problem["bias_shape"] = "b" + ("h" if parts.bias.shape[1] != 1 else "1")
-            variant = session.select(part_problem, rows, parts.q.shape[0], stale_v_finite)
             o_parts = np.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
             l_parts = np.empty((parts.q.shape[0], nhead_q, rows), np.float32)
-            for args, place in plan_calls(variant, parts):
-                o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
-                place(o_parts, l_parts, o, l)
+            run(parts, dict(problem, sinks=False), o_parts, l_parts)
             o_c, l_c = combine_splits(o_parts, l_parts, splits, sinks_a)
             out_b[...] = o_c.astype(q.dtype)
             lse_b[...] = l_c

@@ -32,7 +32,7 @@ from iree.turbine.runtime.op_reg.base import (
 )
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant
+from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant, bias_shape_of
 
 
 def mlir_dir() -> Path:
@@ -158,7 +158,7 @@ class _PagedKVFwd(CustomOp):
             mask=ksel.arg_descs[12].v,
             SOFTCAP=bool(ksel.arg_descs[13].v),
             ALIBI=alibi is not None,
-            BIAS_SHAPE=_bias_shape(bias),
+            BIAS_SHAPE=bias_shape_of(bias),
             SINKS=sinks is not None,
             BT=q.shape[0],
             MQ=q.shape[1],
@@ -186,12 +186,6 @@ class _PagedKVFwd(CustomOp):
         n_optional = sum(t is not None for t in (alibi, bias, sinks))
         args = [kb.arg_value(i) for i in range(_N_FIXED + n_optional)]
         kb.yield_results(*call_function(func, *args))
-
-
-def _bias_shape(bias) -> str:
-    if bias is None:
-        return ""
-    return ("b" if bias.shape[0] != 1 else "1") + ("h" if bias.shape[1] != 1 else "1")
 
 
 class PagedKVFwdExplicit(_PagedKVFwd):

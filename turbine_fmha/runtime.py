@@ -306,21 +306,21 @@ class Session:
         out, lse = (r.to_host() for r in res)
         return out, lse
 
-    def select(self, problem: dict, seqlen_q: int, batch: int, stale_v_finite: bool = False) -> Variant:
+    def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem); among static (online) variants, the one that pads
         least, then the one with the fewest launches, then one without the
-        V guard, which is allowed only when stale_v_finite says the value
-        rows holding no key are finite (plan.stale_rows_finite)."""
+        stale-row guard, which is allowed only when stale_rows_finite says
+        the K/V rows holding no key are finite (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem)
         cands = [
             v for v in self._by_problem.get(_problem_key(problem), [])
-            if v.formulation == formulation and (v.v_guard or stale_v_finite)
+            if v.formulation == formulation and (v.v_guard or stale_rows_finite)
         ]
         if self.compile_missing:
             # The default variant for the call competes with the built ones
             # (and is compiled if chosen).
-            preferred = self._default_variant_for(problem, seqlen_q, stale_v_finite)
+            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite)
             if preferred not in cands:
                 cands.append(preferred)
         if not cands:
@@ -358,13 +358,13 @@ class Session:
             return "explicit"
         return self.formulation
 
-    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_v_finite: bool = False) -> Variant:
+    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False) -> Variant:
         if self._formulation_for(problem) == "explicit":
             return Variant(**problem)
         from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE
 
         bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
-        guard = not (stale_v_finite and problem["v_layout"] == "row")
+        guard = not (stale_rows_finite and problem["v_layout"] == "row")
         return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq, v_guard=guard)
 
 

@@ -214,6 +214,14 @@ class Variant:
         return {f: getattr(self, f) for f in PROBLEM_FIELDS}
 
 
+def bias_shape_of(bias) -> str:
+    """The bias_shape of an elementwise bias array [b|1, h|1, rows, keys]:
+    which of its batch and head axes are full ("" without a bias)."""
+    if bias is None:
+        return ""
+    return ("b" if bias.shape[0] != 1 else "1") + ("h" if bias.shape[1] != 1 else "1")
+
+
 def online_unsupported(problem: dict) -> str | None:
     """Why the online (GPU) formulation cannot serve `problem`, or None.
 
