@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""On a CUDA machine: fmha_fwd_paged with torch CUDA caches (imported
-zero-copy through DLPack) against the same call with host caches, checked
-against the float64 reference, with timings of both.
+"""On a CUDA machine: fmha_fwd_paged with torch CUDA tensors, checked
+against the float64 reference, with timings.
+
+Cases: host numpy caches; torch CUDA caches imported zero-copy (DLPack) with
+q on the GPU, so the results are made on the GPU (api._Results), with the
+stale rows checked on the GPU (unguarded kernels) and with NaN put there
+(guarded kernels); batch-1 long-context decode (split-KV merged by torch on
+the GPU); a varlen (group mode) prefill+decode batch; and a CUDA tensor
+handed to a "cpu" session, which must be refused.
 
     PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_torch_interop.py --artifacts artifacts-cuda
 """
@@ -21,6 +27,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
+TOL = 5e-3  # fp16 output: a few ulps of |out| <= max|V| plus f32 accumulation
+
+
+def _pool(rng, pages, page, hk, d):
+    k = rng.standard_normal((pages, page, hk, d), dtype=np.float32).astype(np.float16)
+    v = rng.standard_normal((pages, page, hk, d), dtype=np.float32).astype(np.float16)
+    return k, v
+
+
+def _timed(fn, reps=10):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = fn()
+        if isinstance(r, torch.Tensor):
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _err(out, ref):
+    o = out.double().cpu().numpy() if isinstance(out, torch.Tensor) else out.astype(np.float64)
+    return float(np.abs(o - ref).max() / np.abs(ref).max())
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -28,29 +59,89 @@ def main() -> int:
     args = ap.parse_args()
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)
+    ok = True
+
+    def report(label, ms, err, out, extra=""):
+        nonlocal ok
+        dev = out.device if isinstance(out, torch.Tensor) else "numpy (host)"
+        print(f"{label}: median {ms:.2f} ms per API call, rel err {err:.2e}, output on {dev}, "
+              f"kernel {session.last_variant.name}{extra}", flush=True)
+        ok &= err <= TOL
+
+    # Decode, batch 32 x 4096 keys.
     b, sk, hq, hk, d, page = 32, 4096, 32, 8, 128, 16
     pages = b * sk // page
-    k = rng.standard_normal((pages + 1, page, hk, d), dtype=np.float32).astype(np.float16)
-    v = rng.standard_normal((pages + 1, page, hk, d), dtype=np.float32).astype(np.float16)
+    k, v = _pool(rng, pages + 1, page, hk, d)
     bt = rng.permutation(pages + 1)[:pages].reshape(b, -1).astype(np.int32)
-    sl = np.full(b, sk, np.int32)
+    sl = np.full(b, sk - 5, np.int32)  # a tail of 5 stale rows per sequence
     q = rng.standard_normal((b, 1, hq, d), dtype=np.float32).astype(np.float16)
     kt, vt, qt = (torch.from_numpy(x).cuda() for x in (k, v, q))
-    ok = True
-    for label, (qq, kk, vv) in (("host numpy caches", (q, k, v)), ("torch CUDA caches (DLPack)", (qt, kt, vt))):
-        out = turbine_fmha.fmha_fwd_paged(qq, kk, vv, bt, sl, session=session, device="cuda")
-        times = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            turbine_fmha.fmha_fwd_paged(qq, kk, vv, bt, sl, session=session, device="cuda")
-            times.append((time.perf_counter() - t0) * 1e3)
-        o = out.cpu().numpy() if isinstance(out, torch.Tensor) else out
-        sample = [0, b - 1]
-        ref, _ = fmha_fwd_paged_ref(q[sample], k, v, bt[sample], sl[sample])
-        err = float(np.abs(o[sample].astype(np.float64) - ref).max() / np.abs(ref).max())
-        dev = out.device if isinstance(out, torch.Tensor) else "numpy"
-        print(f"{label}: median {statistics.median(times):.2f} ms per API call, rel err {err:.2e}, output on {dev}")
-        ok &= err <= 5e-3
+    sample = [0, b - 1]
+    ref, _ = fmha_fwd_paged_ref(q[sample], k, v, bt[sample], sl[sample])
+    for label, (qq, kk, vv) in (("decode b32, host numpy caches", (q, k, v)),
+                                ("decode b32, torch CUDA q and caches", (qt, kt, vt))):
+        call = lambda: turbine_fmha.fmha_fwd_paged(qq, kk, vv, bt, sl, session=session, device="cuda")  # noqa: E731
+        ms = _timed(call)
+        out = call()
+        report(label, ms, _err(out[sample], ref), out)
+        if isinstance(out, torch.Tensor):
+            ok &= out.is_cuda
+    # NaN in the stale rows of one torch cache: found on the GPU, guarded kernel.
+    kt_nan = kt.clone()
+    kt_nan[int(bt[3, -1]), page - 2:] = float("nan")
+    call = lambda: turbine_fmha.fmha_fwd_paged(qt, kt_nan, vt, bt, sl, session=session, device="cuda")  # noqa: E731
+    ms = _timed(call)
+    out = call()
+    report("decode b32, torch CUDA caches with NaN stale rows", ms, _err(out[sample], ref), out)
+    ok &= session.last_variant.v_guard and not torch.isnan(out).any().item()
+
+    # Batch-1 decode over 32k keys: split-KV, merged by torch on the GPU.
+    sk1 = 32768
+    k1, v1 = _pool(rng, sk1 // page, page, hk, d)
+    bt1 = rng.permutation(sk1 // page)[None].astype(np.int32)
+    sl1 = np.array([sk1], np.int32)
+    q1 = rng.standard_normal((1, 1, hq, d), dtype=np.float32).astype(np.float16)
+    k1t, v1t, q1t = (torch.from_numpy(x).cuda() for x in (k1, v1, q1))
+    ref1, ref1_lse = fmha_fwd_paged_ref(q1, k1, v1, bt1, sl1)
+    for splits in (1, None):
+        call = lambda: turbine_fmha.fmha_fwd_paged(q1t, k1t, v1t, bt1, sl1, num_splits=splits,  # noqa: E731
+                                                   return_lse=True, session=session, device="cuda")
+        ms = _timed(call)
+        out, lse = call()
+        lse_err = float(np.abs(lse.cpu().numpy() - ref1_lse).max())
+        report(f"decode b1 x 32k keys, torch CUDA, num_splits={splits}", ms, _err(out, ref1), out,
+               f", LSE abs err {lse_err:.1e}")
+        ok &= lse_err <= 1e-3
+
+    # Varlen: two prefills and two decodes in one group-mode call.
+    lens_q, lens_k = [300, 1, 77, 1], [300, 2000, 500, 17]
+    need = [-(-n // page) for n in lens_k]
+    kg, vg = _pool(rng, sum(need), page, hk, d)
+    perm = rng.permutation(sum(need)).astype(np.int32)
+    btg = np.zeros((4, max(need)), np.int32) - 1
+    at = 0
+    for i, n in enumerate(need):
+        btg[i, :n] = perm[at:at + n]
+        at += n
+    slg = np.array(lens_k, np.int32)
+    qg = rng.standard_normal((sum(lens_q), hq, d), dtype=np.float32).astype(np.float16)
+    seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0)
+    refg, _ = fmha_fwd_paged_ref(qg, kg, vg, btg, slg, **kw)
+    qgt, kgt, vgt = (torch.from_numpy(x).cuda() for x in (qg, kg, vg))
+    call = lambda: turbine_fmha.fmha_fwd_paged(qgt, kgt, vgt, btg, slg, session=session, device="cuda", **kw)  # noqa: E731
+    ms = _timed(call)
+    out = call()
+    report("group mode 2 prefills + 2 decodes, torch CUDA", ms, _err(out, refg), out)
+
+    # A CUDA tensor for a "cpu" session: refused by name, nothing copied.
+    try:
+        turbine_fmha.fmha_fwd_paged(qt, k, v, bt, sl, session=turbine_fmha.Session("cpu", artifact_dir="/nonexistent"))
+        print("cuda q on a cpu session: NOT refused")
+        ok = False
+    except ValueError as e:
+        print(f"cuda q on a cpu session: refused: {e}")
+    print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 

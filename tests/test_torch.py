@@ -1,4 +1,8 @@
-"""torch tensors in, torch tensors out (CPU)."""
+"""torch tensors in, torch tensors out (CPU). With q on the session's own
+device the results are made there by torch from DLPack views of the
+kernels' buffers (api._Results): these tests run that path on the CPU, the
+same code that keeps CUDA results on the GPU (scripts/h200_torch_interop.py
+checks it there)."""
 
 import numpy as np
 import pytest
@@ -23,3 +27,46 @@ def test_torch_roundtrip(explicit_session, rng, dtype):
     ref, _ = fmha_fwd_paged_ref(*prob, mask_type="bottom_right", window_size_right=0)
     err = np.abs(out.float().numpy() - ref).max() / np.abs(ref).max()
     assert err <= OUT_TOL[dtype]
+
+
+def _t(a):
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_torch_results_group_mode_and_splits(explicit_session, rng, num_splits):
+    """Group mode (rows regrouped by torch), skipped sequences
+    (min_seqlen_q), sinks and split-KV (merged by combine_splits_torch) on
+    the torch path against the reference."""
+    lens_q, lens_k = [4, 1, 0, 7], [700, 33, 5, 90]
+    batch = len(lens_q)
+    q4, k, v, bt, sk = make_problem(rng, dtype="f16", batch=batch, seqlen_q=max(lens_q), seqlens_k=lens_k,
+                                    nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
+    seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0,
+              sinks=rng.standard_normal(4).astype(np.float32), min_seqlen_q=1)
+    out, lse = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, return_lse=True, num_splits=num_splits,
+                                          session=explicit_session, **kw)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float16 and out.shape == (q.shape[0], 4, 64)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **{a: b for a, b in kw.items() if a != "min_seqlen_q"})
+    skipped = np.repeat(np.array(lens_q) <= 1, lens_q)  # sequences with seqlen_q <= min_seqlen_q
+    ref[skipped] = 0.0
+    ref_lse[:, skipped] = -np.inf
+    err = np.abs(out.double().numpy() - ref).max() / np.abs(ref).max()
+    assert err <= OUT_TOL["f16"]
+    # LSE: f32 arithmetic over up to 700 keys (split merge included).
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=0, atol=1e-4)
+
+
+def test_torch_results_match_numpy_results(online_session, rng):
+    """The torch path and the numpy path run the same kernels on the same
+    padded tiles: identical bits without split-KV."""
+    q, k, v, bt, sk = make_problem(rng, dtype="bf16", batch=3, seqlen_q=9, seqlens_k=[40, 9, 130],
+                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    kw = dict(mask_type="top_left", window_size_left=5, window_size_right=0, num_splits=1,
+              return_lse=True, session=online_session)
+    out_np, lse_np = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, **kw)
+    out_t, lse_t = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, **kw)
+    np.testing.assert_array_equal(out_t.view(torch.int16).numpy(), out_np.view(np.int16))
+    np.testing.assert_array_equal(lse_t.numpy(), lse_np)

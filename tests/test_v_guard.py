@@ -87,3 +87,28 @@ def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, onl
     assert np.abs(out64[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
     if formulation == "online":
         assert not session.last_variant.v_guard
+
+
+@pytest.mark.parametrize("poison", ["none", "k_tail", "v_tail", "v_gappy_head", "visible"])
+def test_stale_rows_check_on_torch_caches(rng, poison):
+    """torch caches are checked by torch_rows_finite on their own device
+    (here the CPU): same answer as the numpy check for each placement."""
+    torch = pytest.importorskip("torch")
+    from turbine_fmha.plan import torch_rows_finite
+
+    page, lens, shift = 16, [17, 40, 5], np.array([0, 0, 3], np.int32)
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 8],
+                                   nhead_q=4, nhead_k=2, hdim=32, page=page)
+    sk = np.array(lens, np.int32)
+    if poison == "k_tail":
+        k[bt[0, 1], 5, 1, 3] = np.inf  # key 21 of sequence 0 (it has 17)
+    elif poison == "v_tail":
+        v[bt[1, 2], 15] = np.nan  # row 47 of sequence 1 (it has 40)
+    elif poison == "v_gappy_head":
+        v[bt[2, 0], 1] = np.nan  # before sequence 2's first key (kv_shift 3)
+    elif poison == "visible":
+        k[bt[1, 0], 3] = np.nan  # a real key: not a stale row
+    want = stale_rows_finite(k, v, bt, sk, shift, page)
+    assert want == (poison in ("none", "visible"))
+    got = stale_rows_finite(torch.from_numpy(k), torch.from_numpy(v), bt, sk, shift, page, rows_finite=torch_rows_finite)
+    assert got == want

@@ -82,6 +82,34 @@ def test_bad_input(trap, rng, case):
         assert w in str(info.value), f"{w!r} not in {info.value!s}"
 
 
+WRONG_DEVICE = ["q", "k_cache", "v_cache", "block_table", "seqlen_k", "bias"]
+
+
+@pytest.mark.parametrize("arg", WRONG_DEVICE)
+def test_tensor_on_wrong_device(trap, rng, arg):
+    """A torch tensor on a device that is not the session's (here: "meta",
+    which holds no data, for a "cpu" session) is refused by name, not
+    copied; on a CUDA machine a cuda:0 tensor for a "cpu" session takes the
+    same branch (api._check_tensor_devices)."""
+    torch = pytest.importorskip("torch")
+    q, k, v, bt, sk = _good(rng)
+    args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk,
+                bias=np.zeros((1, 1, 3, 32), np.float32))
+    args[arg] = torch.from_numpy(np.ascontiguousarray(args[arg])).to("meta")
+    with pytest.raises(ValueError, match=rf"{arg} is a torch tensor on meta, but the session runs on 'cpu'"):
+        turbine_fmha.fmha_fwd_paged(session=trap, **args)
+
+
+def test_device_array_of_another_device(trap, rng):
+    import iree.runtime as rt
+
+    q, k, v, bt, sk = _good(rng)
+    other = rt.Config("local-sync").device  # not the session's device
+    kd, vd = rt.asdevicearray(other, k), rt.asdevicearray(other, v)
+    with pytest.raises(ValueError, match="k_cache is a DeviceArray of another device"):
+        _call(trap, q, kd, vd, bt, sk)
+
+
 def test_session_device_mismatch(trap, rng):
     with pytest.raises(ValueError, match="session is for device"):
         _call(trap, *_good(rng), device="cuda")

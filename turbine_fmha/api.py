@@ -18,11 +18,13 @@ from .plan import (
     KernelCall,
     bias_in_table_rows,
     combine_splits,
+    combine_splits_torch,
     fill_unused_slots,
     num_splits_heuristic,
     plan_calls,
     split_kv,
     stale_rows_finite,
+    torch_rows_finite,
 )
 from .runtime import Session, default_session
 from .variants import UNBOUNDED, bias_shape_of
@@ -138,6 +140,55 @@ def _cache_array(x, name: str):
     if _is_torch(x) and x.device.type == "cuda" and "float8" not in str(x.dtype):
         return _TorchDeviceCache(x)
     return _to_numpy(x, name)
+
+
+def _check_tensor_devices(device: str, **arrays) -> None:
+    """torch tensors must be in host memory or, for a cuda/hip session, on
+    its GPU (Session.torch_device): anything else is refused by name rather
+    than silently copied across devices."""
+    for name, x in arrays.items():
+        if not _is_torch(x):
+            continue
+        d = x.device
+        if d.type == "cpu" or (device != "cpu" and d.type == "cuda" and d.index in (None, 0)):
+            continue
+        where = "host memory" if device == "cpu" else "host memory or cuda:0"
+        raise ValueError(f"{name} is a torch tensor on {d}, but the session runs on {device!r}: pass it in {where}")
+
+
+class _Results:
+    """Where a call's results live: numpy arrays, or, when q is a torch
+    tensor on the session's own device, torch tensors there. Kernel results
+    then reach them as DLPack views of the IREE buffers (no host round
+    trip), and padding, chunks, splits and varlen rows are all arranged by
+    torch on that device."""
+
+    def __init__(self, session, like=None):
+        self.session = session
+        self.torch_device = None if like is None else like.device
+
+    def empty(self, shape, dtype, fill=None):
+        if self.torch_device is None:
+            a = np.empty(shape, dtype)
+        else:
+            import torch
+
+            dt = torch.bfloat16 if dtype == _bf16() else getattr(torch, np.dtype(dtype).name)
+            a = torch.empty(shape, dtype=dt, device=self.torch_device)
+        if fill is not None:
+            a[...] = fill
+        return a
+
+    def run(self, variant, *args):
+        if self.torch_device is None:
+            return self.session.run_variant(variant, *args)
+        o, l = self.session.run_variant(variant, *args, on_device=True)
+        return self.session.to_torch(o), self.session.to_torch(l)
+
+    def combine(self, o, l, n, sinks):
+        if self.torch_device is None:
+            return combine_splits(o, l, n, sinks)
+        return combine_splits_torch(o, l, n, sinks)
 
 
 def _from_numpy(a: np.ndarray, like):
@@ -281,17 +332,33 @@ def fmha_fwd_paged(
         keys); 1 disables. Not with fp8 q.
       kv_rows_finite: True promises that every K/V row of the caches is
         finite (PagedKVCache tracks it), which lets GPU kernels skip the
-        stale-row guard without looking at the caches. None (default) checks the rows
-        that hold no key on host caches, and assumes nothing of device
-        caches.
+        stale-row guard without looking at the caches. None (default) checks
+        the rows that hold no key: in host memory for host caches, on the
+        GPU (a small torch gather and one sync) for torch CUDA caches; IREE
+        DeviceArray caches are assumed unchecked (guarded kernels).
       return_lse: also return LSE (float32, natural log); -inf for rows with
         no visible key (whose output is 0).
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
       session: a `Session` to run on (default: one shared per device).
 
-    Returns out, or (out, lse); numpy arrays, or torch tensors when q is a
-    torch tensor. Non-contiguous inputs are accepted (copied).
+    Returns out, or (out, lse); numpy arrays, or torch tensors on q's device
+    when q is a torch tensor. When that device is the session's own
+    (Session.torch_device: "cpu", or "cuda:0" for a cuda/hip session), the
+    results are made there: the kernels' output buffers are viewed by torch
+    through DLPack and arranged on the device, never copied to the host.
+    (q itself, and the small tables, still go through host memory.)
+    Non-contiguous inputs are accepted (copied).
+
+    Devices: numpy arrays and CPU torch tensors are accepted by every
+    session. torch tensors on any other device than the session's GPU
+    (cuda:0), including any GPU tensor for a "cpu" session, raise
+    ValueError naming the argument; so do DeviceArrays of another device.
     """
+    _check_tensor_devices(
+        session.device if isinstance(session, Session) else device,
+        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
+        seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks,
+    )
     as_torch = _is_torch(q)
     like = q
     q = _to_numpy(q, "q")
@@ -510,10 +577,11 @@ def fmha_fwd_paged(
                 raise ValueError(f"{name} is a DeviceArray of another device than the session's ({session.device})")
 
     # --- everything below runs only on validated arguments ---------------
+    torch_results = as_torch and not squant and out is None and str(like.device) == session.torch_device
+    results = _Results(session, like if torch_results else None)
     if out is None:
-        out = np.zeros(out_shape, q.dtype) if min_seqlen_q else np.empty(out_shape, q.dtype)
-    lse = np.empty((batch, nhead_q, q.shape[1]) if not group else (nhead_q, q.shape[0]), np.float32)
-    lse.fill(-np.inf)
+        out = results.empty(out_shape, q.dtype, fill=0 if min_seqlen_q else None)
+    lse = results.empty((batch, nhead_q, q.shape[1]) if not group else (nhead_q, q.shape[0]), np.float32, fill=-np.inf)
     active = np.nonzero(seqlens_q > min_seqlen_q)[0] if group else np.arange(batch)
     if active.size and seqlens_q[active].max() > 0:
         problem = dict(
@@ -591,19 +659,28 @@ def fmha_fwd_paged(
             if kc_d is not None and vc_d is not None:
                 kc, vc = kc_d, vc_d
         if group:
-            out_b = np.empty((active.size, rows, nhead_q, hdim_v), q.dtype)
-            lse_b = np.empty((active.size, nhead_q, rows), np.float32)
+            out_b = results.empty((active.size, rows, nhead_q, hdim_v), q.dtype)
+            lse_b = results.empty((active.size, nhead_q, rows), np.float32)
         else:
             out_b, lse_b = out, lse
         # Variants without the stale-row guard (GPU) need the K/V rows that
         # hold no key to be finite; checking costs a look at one or two pages
         # per sequence.
+        # torch device caches are checked on their device; IREE DeviceArrays
+        # are not looked at (PagedKVCache passes what it tracks).
+        def check_rows():
+            if not on_device:
+                return stale_rows_finite(k_cache, v_cache, bt, call.seqlen_k, call.kv_shift, page)
+            if isinstance(k_cache, _TorchDeviceCache):
+                return stale_rows_finite(k_cache.tensor, v_cache.tensor, bt, call.seqlen_k, call.kv_shift, page,
+                                         rows_finite=torch_rows_finite)
+            return False
+
         rows_finite = (
             session._formulation_for(problem) == "online"
             and v_layout == "row"
             and not kv_fp8
-            and (kv_rows_finite if kv_rows_finite is not None
-                 else not on_device and stale_rows_finite(k_cache, v_cache, bt, call.seqlen_k, call.kv_shift, page))
+            and (kv_rows_finite if kv_rows_finite is not None else check_rows())
         )
         # A bottom-right mask with no left edge hides nothing from one-row
         # (decode) queries: the mask-free kernels may run them, when the
@@ -619,7 +696,7 @@ def fmha_fwd_paged(
                 prob["mask"] = "none"
             variant = session.select(prob, rows, c.q.shape[0], rows_finite)
             for args, place in plan_calls(variant, c):
-                o, l = session.run_variant(variant, args[0], kc, vc, *args[1:])
+                o, l = results.run(variant, args[0], kc, vc, *args[1:])
                 place(out_k, lse_k, o, l)
 
         if num_splits is None:
@@ -638,17 +715,19 @@ def fmha_fwd_paged(
             # Split-KV: partial results per run of pages (sinks left out),
             # merged by their LSEs.
             parts = split_kv(call, page, splits)
-            o_parts = np.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
-            l_parts = np.empty((parts.q.shape[0], nhead_q, rows), np.float32)
+            o_parts = results.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
+            l_parts = results.empty((parts.q.shape[0], nhead_q, rows), np.float32)
             run(parts, dict(problem, sinks=False), o_parts, l_parts)
-            o_c, l_c = combine_splits(o_parts, l_parts, splits, sinks_a)
-            out_b[...] = o_c.astype(q.dtype)
+            o_c, l_c = results.combine(o_parts, l_parts, splits, sinks_a)
+            out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
         if group:
             for i, b in enumerate(active):
                 s0, s1 = seqstart[b], seqstart[b + 1]
                 out[s0:s1] = out_b[i, : s1 - s0]
                 lse[:, s0:s1] = lse_b[i, :, : s1 - s0]
+    if torch_results:
+        return (out, lse) if return_lse else out
     if as_torch:
         out_t = _from_numpy(out, like)
         return (out_t, _from_numpy(lse, like)) if return_lse else out_t

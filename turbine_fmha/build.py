@@ -336,7 +336,34 @@ def build(
     return results
 
 
-def print_progress(i: int, n: int, r: BuildResult) -> None:
+class ProgressBar:
+    """build(progress=...) for a terminal: one line redrawn in place, with
+    a bar, the count, the elapsed time, an estimate of the time left and the
+    latest artifact; failures are printed on lines of their own. Where
+    stderr is not a terminal (CI logs), print_progress's line per artifact."""
+
+    WIDTH = 30
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, i: int, n: int, r: BuildResult) -> None:
+        if not self.tty:
+            print_progress(i, n, r, file=self.stream)
+            return
+        if r.error:
+            print(f"\r\033[KFAILED {r.target}/{r.variant}", file=self.stream)
+        elapsed = time.perf_counter() - self.t0
+        left = elapsed / i * (n - i)
+        done = self.WIDTH * i // max(1, n)
+        bar = "#" * done + "-" * (self.WIDTH - done)
+        line = f"[{bar}] {i}/{n} {elapsed:.0f}s, ~{left:.0f}s left  {r.target}/{r.variant}"
+        print(f"\r\033[K{line}", end="\n" if i == n else "", file=self.stream, flush=True)
+
+
+def print_progress(i: int, n: int, r: BuildResult, file=None) -> None:
     if r.error:
         status = "FAILED"
     elif not r.rebuilt:
@@ -348,4 +375,4 @@ def print_progress(i: int, n: int, r: BuildResult) -> None:
             status += f" mfma={isa['mfma_count']} spills={isa['spills']}"
         if "mma_count" in isa:
             status += f" mma.sync={isa['mma_count']}"
-    print(f"[{i:>4}/{n}] {r.target:<7} {r.variant}  {status}", file=sys.stderr, flush=True)
+    print(f"[{i:>4}/{n}] {r.target:<7} {r.variant}  {status}", file=file or sys.stderr, flush=True)

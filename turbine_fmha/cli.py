@@ -13,7 +13,7 @@ from .variants import Variant
 
 
 def _cmd_build(args) -> int:
-    from .build import build, print_progress
+    from .build import ProgressBar, build
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
@@ -29,7 +29,7 @@ def _cmd_build(args) -> int:
             return 2
     t0 = time.perf_counter()
     try:
-        results = build(Path(args.out), targets, variants, jobs=args.jobs, progress=print_progress, force=args.force)
+        results = build(Path(args.out), targets, variants, jobs=args.jobs, progress=ProgressBar(), force=args.force)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1

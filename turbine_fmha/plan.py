@@ -266,8 +266,44 @@ def combine_splits(o: np.ndarray, l: np.ndarray, n: int, sinks: np.ndarray | Non
     return out, lse
 
 
+def combine_splits_torch(o, l, n: int, sinks: np.ndarray | None):
+    """combine_splits for torch tensors, on their device (the same f32
+    arithmetic), so device-resident results never visit the host."""
+    import torch
+
+    bn, rows, hq, dv = o.shape
+    o = o.reshape(bn // n, n, rows, hq, dv).float()
+    l = l.reshape(bn // n, n, hq, rows)
+    m = l.amax(dim=1)
+    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(l - m0[:, None])  # a split without visible keys weighs 0
+    tot = w.sum(dim=1)
+    some = tot > 0
+    safe = torch.where(some, tot, torch.ones_like(tot))
+    lse = torch.where(some, m0 + torch.log(safe), torch.full_like(tot, -math.inf))
+    out = torch.einsum("bjhr,bjrhd->brhd", w / safe[:, None], o)
+    if sinks is not None:
+        s = torch.as_tensor(sinks, dtype=torch.float32, device=lse.device)[None, :, None]
+        lse_s = torch.logaddexp(lse, s.expand_as(lse))
+        out = out * torch.exp(lse - lse_s).permute(0, 2, 1)[..., None]
+        lse = lse_s
+    return out, lse
+
+
+def _rows_finite(cache: np.ndarray, pages: np.ndarray, sel: np.ndarray) -> bool:
+    return bool(np.isfinite(cache[pages][sel].astype(np.float32, copy=False)).all())
+
+
+def torch_rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
+    """_rows_finite for a torch cache, on its device (one small gather)."""
+    import torch
+
+    rows = cache[torch.as_tensor(pages, device=cache.device)][torch.as_tensor(sel, device=cache.device)]
+    return bool(torch.isfinite(rows).all())
+
+
 def stale_rows_finite(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
-                      kv_shift: np.ndarray, page: int) -> bool:
+                      kv_shift: np.ndarray, page: int, rows_finite=_rows_finite) -> bool:
     """Whether the K and V rows that a kernel reads but that hold no key are
     finite, so that a variant without the stale-row guard gives exact
     results (Variant.v_guard).
@@ -277,7 +313,8 @@ def stale_rows_finite(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.
     table slots read the sequence's own first page, or another sequence's
     for one without keys (fill_unused_slots). Caches are row-major
     [pages, page, heads, dim]. False when no sequence has a key (every page
-    read would then be unchecked).
+    read would then be unchecked). rows_finite(cache, pages, sel) checks
+    cache[pages][sel]: numpy by default, torch_rows_finite for torch caches.
     """
     sk = seqlen_k.astype(np.int64)
     ks = kv_shift.astype(np.int64)
@@ -293,10 +330,8 @@ def stale_rows_finite(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.
     head = rows < ks[b][:, None]  # rows before the first key (first page)
     for cache in (k_cache, v_cache):
         for pages, sel in ((last, tail), (first, head)):
-            if sel.any():
-                vals = cache[pages][sel]  # [n_rows, heads, dim]
-                if not np.isfinite(vals.astype(np.float32, copy=False)).all():
-                    return False
+            if sel.any() and not rows_finite(cache, pages, sel):
+                return False
     return True
 
 

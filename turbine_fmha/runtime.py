@@ -297,14 +297,63 @@ class Session:
                 )
             return self._executor.submit(fn, *args, **kwargs)
 
-    def run_variant(self, variant: Variant, *args):
+    def run_variant(self, variant: Variant, *args, on_device: bool = False):
         """One kernel call on validated, contiguous numpy arguments, in the
-        kernel's order (see turbine_fmha.api.plan_calls)."""
+        kernel's order (see turbine_fmha.api.plan_calls). Returns (out, lse)
+        as numpy arrays, or as the session device's DeviceArrays with
+        on_device=True (see to_torch)."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
         res = loaded.function(*args)
+        if on_device:
+            return tuple(res)
         out, lse = (r.to_host() for r in res)
         return out, lse
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device whose memory this session's device reads: "cpu",
+        or "cuda:0" for cuda/hip sessions (IREE opens the first visible
+        GPU, which torch calls cuda:0; ROCm torch also says "cuda")."""
+        return "cpu" if self.target.driver == "local-task" else "cuda:0"
+
+    def to_torch(self, array):
+        """A torch tensor on this session's device with a DeviceArray's
+        contents, never through the host: a DLPack view of the IREE buffer
+        (which it keeps alive) where the driver exports it, else a
+        device-to-device copy into a new tensor (device_copy_to_torch)."""
+        import torch
+
+        # DLPack device type codes: kDLCPU, kDLCUDA, kDLROCM.
+        code = {"local-task": 1, "cuda": 2, "hip": 10}[self.target.driver]
+        index = 0 if code == 1 else torch.device(self.torch_device).index
+        try:
+            return torch.from_dlpack(self.device_of().create_dlpack_capsule(array._buffer_view, code, index))
+        except RuntimeError:
+            # IREE's CUDA driver exports only plain device allocations, not
+            # the stream-ordered ones that hold function results (measured
+            # on the H200: "buffer type is not supported for export").
+            return self.device_copy_to_torch(array)
+
+    def device_copy_to_torch(self, array):
+        """A new torch tensor on this session's device holding a copy of a
+        DeviceArray, made by an IREE queue copy into the tensor's memory
+        (imported through DLPack), waited for before returning. Verified on
+        CUDA (scripts/h200_torch_interop.py); the CPU driver never needs it
+        (it exports) and refuses queue copies into imported torch memory."""
+        import torch
+
+        dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "int8": torch.int8}[np.dtype(array.dtype).name]
+        t = torch.empty(tuple(array.shape), dtype=dtype, device=self.torch_device)
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)  # the allocation is stream-ordered too
+        device = self.device_of()
+        dst = device.from_dlpack_capsule(t.__dlpack__(stream=None) if t.is_cuda else t.__dlpack__())
+        done = device.create_semaphore(0)
+        device.queue_copy(array._buffer_view.get_buffer(), dst.get_buffer(), [], [(done, 1)])
+        done.wait(1)
+        return t
 
     def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
