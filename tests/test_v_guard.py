@@ -63,12 +63,14 @@ def test_nan_before_gappy_offset_runs_guarded(online_session, rng):
     assert not variant.v_guard
 
 
-@pytest.mark.parametrize("formulation", ["explicit", "online"])
+@pytest.mark.parametrize("formulation", ["explicit", "online", "online_guarded"])
 def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, online_session, rng, formulation):
     """NaN in q, or in a visible key's K or V, makes exactly the rows that
-    see it NaN, as in the reference; every other row stays exact. (The
-    online kernels do this without the stale-row guard, which the runtime
-    picks here since the stale rows are finite.)"""
+    see it NaN, as in the reference; every other row stays exact. The online
+    kernels do this with and without the stale-row guard: "online_guarded"
+    also puts NaN/Inf in the stale rows past sequence 2's last key, which
+    must not leak, so the runtime picks the guarded kernel (whose NaN-row
+    flags restore what its score-side NaN drop loses)."""
     session = explicit_session if formulation == "explicit" else online_session
     lens = [40, 33, 17]
     q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=lens,
@@ -76,6 +78,9 @@ def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, onl
     q[0, 2, 3, 7] = np.nan  # one query row of one head
     k[bt[1, 0], 4, 1, 0] = np.nan  # key 4 of sequence 1, KV head 1 (query heads 4-7)
     v[bt[2, 1], 0, 0, 5] = np.nan  # key 16 of sequence 2, KV head 0, one dim
+    if formulation == "online_guarded":
+        k[bt[2, 1], 1:] = np.inf  # keys 17.. of sequence 2 do not exist
+        v[bt[2, 1], 1:] = np.nan
     kw = dict(mask_type="bottom_right", window_size_right=0)
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=session, **kw)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
@@ -85,8 +90,8 @@ def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, onl
     assert np.isnan(ref).any() and not np.isnan(ref).all()
     fin = ~np.isnan(ref)
     assert np.abs(out64[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
-    if formulation == "online":
-        assert not session.last_variant.v_guard
+    if formulation != "explicit":
+        assert session.last_variant.v_guard == (formulation == "online_guarded")
 
 
 @pytest.mark.parametrize("poison", ["none", "k_tail", "v_tail", "v_gappy_head", "visible"])
@@ -112,3 +117,61 @@ def test_stale_rows_check_on_torch_caches(rng, poison):
     assert want == (poison in ("none", "visible"))
     got = stale_rows_finite(torch.from_numpy(k), torch.from_numpy(v), bt, sk, shift, page, rows_finite=torch_rows_finite)
     assert got == want
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online_guarded"])
+def test_nan_seen_or_not_through_a_window(explicit_session, online_session, rng, formulation):
+    """A one-key window (bottom-right, left = right = 0) with more query rows
+    than keys: the top rows see no key at all. NaN in such a row's q leaves
+    it empty (output 0, LSE -inf) as in the reference; NaN in a key's K
+    reaches only the row whose window holds it; NaN q rows with a key are
+    NaN. With stale NaN in the pages, the guarded online kernel must agree."""
+    session = explicit_session if formulation == "explicit" else online_session
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=6, seqlens_k=[4, 21],
+                                   nhead_q=4, nhead_k=2, hdim=32, page=16, spare_pages=0, extra_slots=0)
+    q[0, 0, 1, 3] = np.nan  # row 0 of sequence 0 sees no key (4 keys, 6 rows)
+    q[0, 4, 2, 0] = np.nan  # row 4 sees key 2
+    k[bt[1, 1], 0, 0, 7] = np.nan  # key 16 of sequence 1: row 1 only (shift 15), heads 0-1
+    if formulation == "online_guarded":
+        v[bt[0, 0], 4:] = np.nan  # past sequence 0's 4 keys
+    kw = dict(mask_type="bottom_right", window_size_left=0, window_size_right=0)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=session, **kw)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    assert np.isnan(ref[0, 4, 2]).all() and np.isnan(ref[1, 1, :2]).all() and not np.isnan(ref[1, 2]).any()
+    assert (out[0, 0, 1] == 0).all() and lse[0, 1, 0] == -np.inf
+    fin = ~np.isnan(ref)
+    assert np.abs(out.astype(np.float64)[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
+    if formulation != "explicit":
+        assert session.last_variant.v_guard
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online_guarded"])
+def test_nan_in_a_sink_token_with_gappy_kv(explicit_session, online_session, rng, formulation):
+    """A sliding window that has passed key 0, which stays visible as a sink
+    token (ck_tile's rule, with its conditions), over gappy KV: a NaN in key
+    0's K reaches exactly the rows whose sink it is; a NaN in a key the
+    window has passed reaches none. The stale rows before the gappy start
+    hold NaN, so the online session runs its guarded kernel."""
+    session = explicit_session if formulation == "explicit" else online_session
+    page, lens, offsets = 16, [40, 25], [5, 18]
+    table, num_pages, _ = _gappy_table(rng, lens, offsets, page)
+    k, v = _pool(rng, "f16", num_pages, page, 2, 32, 32)
+    q = rng.standard_normal((2, 6, 4, 32)).astype(np.float16)
+    k[table[0, 0], 5, 1, 2] = np.nan  # key 0 of sequence 0, KV head 1
+    k[table[1, 1], 2 + 3, 0, 0] = np.nan  # key 3 of sequence 1: passed by every window
+    if formulation == "online_guarded":
+        v[table[0, 0], :5] = np.nan  # the 5 skipped rows of sequence 0's first page
+    kw = dict(mask_type="bottom_right", window_size_left=4, window_size_right=0, sink_size=2,
+              kv_offset=np.array(offsets, np.int32))
+    sk = np.array(lens, np.int32)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, sk, return_lse=True, session=session, **kw)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, sk, **kw)
+    assert np.isnan(ref[0, :, 2:]).all() and not np.isnan(ref[0, :, :2]).any() and not np.isnan(ref[1]).any()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    fin = ~np.isnan(ref)
+    assert np.abs(out.astype(np.float64)[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
+    if formulation != "explicit":
+        assert session.last_variant.v_guard
