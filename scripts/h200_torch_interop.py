@@ -94,6 +94,21 @@ def main() -> int:
     out = call()
     report("decode b32, torch CUDA caches with NaN stale rows", ms, _err(out[sample], ref), out)
     ok &= session.last_variant.v_guard and not torch.isnan(out).any().item()
+    # The guarded kernel with NaN where the reference propagates it too: in
+    # one q row and in one visible key's K; the NaN rows must match exactly.
+    qn, kn = q.copy(), k.copy()
+    kn[int(bt[3, -1]), page - 2:] = np.nan  # stale, as above
+    qn[5, 0, 7, 0] = np.nan
+    kn[int(bt[9, 2]), 3, 1, 0] = np.nan  # key 35 of sequence 9, KV head 1 (query heads 4-7)
+    out = turbine_fmha.fmha_fwd_paged(torch.from_numpy(qn).cuda(), torch.from_numpy(kn).cuda(), vt, bt, sl,
+                                      session=session, device="cuda")
+    rows = [3, 5, 9]
+    refn, _ = fmha_fwd_paged_ref(qn[rows], kn, v, bt[rows], sl[rows])
+    got = torch.isnan(out).cpu().numpy()
+    same = np.array_equal(got[rows], np.isnan(refn)) and not got[[i for i in range(b) if i not in rows]].any()
+    print(f"guarded kernel, NaN in q and in a visible K: NaN rows as the reference: {same} "
+          f"({int(np.isnan(refn).any(-1).sum())} NaN head rows), kernel {session.last_variant.name}", flush=True)
+    ok &= same and session.last_variant.v_guard
 
     # Batch-1 decode over 32k keys: split-KV, merged by torch on the GPU.
     sk1 = 32768
