@@ -104,6 +104,27 @@ class _DeviceCache:
         self.dtype = np.dtype(array.dtype)
 
 
+class _TensorInfo:
+    """shape / ndim / dtype (numpy's) of a torch tensor, for validation
+    without copying its data off its device."""
+
+    def __init__(self, tensor):
+        self.shape = tuple(int(d) for d in tensor.shape)
+        self.ndim = len(self.shape)
+        self.dtype = _torch_np_dtype(tensor.dtype)
+
+
+def _torch_np_dtype(dtype):
+    name = str(dtype).split(".")[-1]
+    if name == "bfloat16":
+        return _bf16()
+    if "float8" in name:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
 class _TorchDeviceCache(_DeviceCache):
     """A torch CUDA/HIP tensor cache, imported into the session's device
     zero-copy through DLPack when the call runs (`bind`)."""
@@ -115,18 +136,15 @@ class _TorchDeviceCache(_DeviceCache):
         self.array = None
         self.shape = tuple(int(d) for d in tensor.shape)
         self.ndim = len(self.shape)
-        self.dtype = _bf16() if tensor.dtype == torch.bfloat16 else np.dtype(str(tensor.dtype).split(".")[-1])
+        self.dtype = _torch_np_dtype(tensor.dtype)
 
     def bind(self, session):
-        import iree.runtime as rt
         import torch
 
         t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
         # The kernels run on IREE's stream: finish torch's writes first.
         torch.cuda.synchronize(t.device)
-        device = session.device_of()
-        self._keep = t
-        self.array = rt.DeviceArray(device, device.from_dlpack_capsule(t.__dlpack__(stream=None)))
+        self.array = session.import_torch(t)
 
 
 def _is_device_array(x) -> bool:
@@ -182,6 +200,20 @@ class _Results:
     def run(self, variant, *args):
         if self.torch_device is None:
             return self.session.run_variant(variant, *args)
+        if self.torch_device.type == "cpu":
+            args = [_to_numpy(a, "q") if _is_torch(a) else a for a in args]
+        else:
+            # On the GPU every argument goes in as torch memory imported
+            # through DLPack: q as padded on the device, the small host
+            # arrays after one copy each. IREE's own per-call uploads
+            # allocated device memory for each, which cost more than the
+            # kernel (scripts/api_profile.py).
+            import torch
+
+            args = [a if _is_device_array(a) else self.session.import_torch(
+                a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True))
+                for a in args]
+            torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
         o, l = self.session.run_variant(variant, *args, on_device=True)
         return self.session.to_torch(o), self.session.to_torch(l)
 
@@ -191,16 +223,19 @@ class _Results:
         return combine_splits_torch(o, l, n, sinks)
 
 
-def _from_numpy(a: np.ndarray, like):
+def _numpy_to_torch(a: np.ndarray):
+    """A CPU torch tensor over a numpy array's memory (bf16 and fp8 too)."""
     import torch
 
     if a.dtype == _bf16():
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    elif _fp8_name(a.dtype):
-        t = torch.from_numpy(a.view(np.int8)).view(getattr(torch, str(a.dtype)))
-    else:
-        t = torch.from_numpy(a)
-    return t.to(like.device)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if _fp8_name(a.dtype):
+        return torch.from_numpy(a.view(np.int8)).view(getattr(torch, str(a.dtype)))
+    return torch.from_numpy(a)
+
+
+def _from_numpy(a: np.ndarray, like):
+    return _numpy_to_torch(a).to(like.device)
 
 
 def _check_int(value, name: str, *, minimum: int) -> int:
@@ -345,8 +380,9 @@ def fmha_fwd_paged(
     when q is a torch tensor. When that device is the session's own
     (Session.torch_device: "cpu", or "cuda:0" for a cuda/hip session), the
     results are made there: the kernels' output buffers are viewed by torch
-    through DLPack and arranged on the device, never copied to the host.
-    (q itself, and the small tables, still go through host memory.)
+    through DLPack and arranged on the device, never copied to the host;
+    q stays there too (padded into tiles by torch), and only the small
+    tables are built on the host.
     Non-contiguous inputs are accepted (copied).
 
     Devices: numpy arrays and CPU torch tensors are accepted by every
@@ -361,7 +397,9 @@ def fmha_fwd_paged(
     )
     as_torch = _is_torch(q)
     like = q
-    q = _to_numpy(q, "q")
+    # A torch GPU q is looked at through its shape and dtype only: its data
+    # stays on the device unless the call needs it on the host (below).
+    q = _TensorInfo(q) if as_torch and q.device.type != "cpu" else _to_numpy(q, "q")
     k_cache = _cache_array(k_cache, "k_cache")
     v_cache = _cache_array(v_cache, "v_cache")
     on_device = isinstance(k_cache, _DeviceCache)
@@ -579,6 +617,8 @@ def fmha_fwd_paged(
     # --- everything below runs only on validated arguments ---------------
     torch_results = as_torch and not squant and out is None and str(like.device) == session.torch_device
     results = _Results(session, like if torch_results else None)
+    if isinstance(q, _TensorInfo) and not torch_results:
+        q = _to_numpy(like, "q")
     if out is None:
         out = results.empty(out_shape, q.dtype, fill=0 if min_seqlen_q else None)
     lse = results.empty((batch, nhead_q, q.shape[1]) if not group else (nhead_q, q.shape[0]), np.float32, fill=-np.inf)
@@ -600,12 +640,15 @@ def fmha_fwd_paged(
             kv_dtype="" if squant else (kv_fp8 or ""),
         )
         rows = int(seqlens_q[active].max())
+        # q by sequence: torch q stays torch (on its device) on the torch
+        # path, where plan_calls pads it with torch too.
+        q_src = like.detach() if torch_results else q
         if group:
-            qb = np.zeros((active.size, rows) + q.shape[1:], q.dtype)
+            qb = results.empty((active.size, rows) + q.shape[1:], q.dtype, fill=0)
             for i, b in enumerate(active):
-                qb[i, : seqlens_q[b]] = q[seqstart[b] : seqstart[b + 1]]
+                qb[i, : seqlens_q[b]] = q_src[seqstart[b] : seqstart[b + 1]]
         else:
-            qb = np.ascontiguousarray(q)
+            qb = q_src.contiguous() if torch_results else np.ascontiguousarray(q)
         # Gappy KV: drop whole pages in front of each sequence's first key;
         # the remainder (< page) is the kernel's kv_shift.
         shift = (offsets - first_page * page)[active]

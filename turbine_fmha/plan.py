@@ -116,7 +116,7 @@ def plan_calls(variant: Variant, c: KernelCall):
                 lse[:, :, s:e] = l
 
             bt_s, nk_s = table(0, batch, s, e, bt)
-            args = [np.ascontiguousarray(q[:, s:e]), bt_s, sq, sk, ks, fparams, iparams(s)]
+            args = [_contiguous(q[:, s:e]), bt_s, sq, sk, ks, fparams, iparams(s)]
             yield args + extras(0, batch, s, e, nk=nk_s), place
         return
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
@@ -144,12 +144,17 @@ def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
     return _pad_axis(a, 0, n)
 
 
+def _contiguous(a):
+    # q may be a torch tensor (api's torch path keeps it on its device).
+    return np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a.contiguous()
+
+
 def _pad_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
     if a.shape[axis] == n:
-        return np.ascontiguousarray(a)
+        return _contiguous(a)
     shape = list(a.shape)
     shape[axis] = n
-    out = np.zeros(shape, a.dtype)
+    out = np.zeros(shape, a.dtype) if isinstance(a, np.ndarray) else a.new_zeros(shape)
     idx = [slice(None)] * a.ndim
     idx[axis] = slice(0, a.shape[axis])
     out[tuple(idx)] = a
@@ -238,8 +243,9 @@ def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
     def rep(a):
         return None if a is None else np.repeat(a, n, axis=0)
 
+    q = rep(c.q) if isinstance(c.q, np.ndarray) else c.q.repeat_interleave(n, dim=0)
     return dataclasses.replace(
-        c, q=rep(c.q), block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
+        c, q=q, block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
         kv_shift=shift.astype(np.int32), alibi_slopes=rep(c.alibi_slopes), bias=bias, sinks=None,
     )
 

@@ -335,6 +335,19 @@ class Session:
             # on the H200: "buffer type is not supported for export").
             return self.device_copy_to_torch(array)
 
+    def import_torch(self, tensor):
+        """A DeviceArray over a torch tensor on this session's GPU, zero
+        copy (DLPack). The tensor must stay alive while calls use it, and
+        torch's pending writes to it must be finished first (IREE runs on
+        its own stream)."""
+        import iree.runtime as rt
+
+        t = tensor if tensor.is_contiguous() else tensor.contiguous()
+        device = self.device_of()
+        array = rt.DeviceArray(device, device.from_dlpack_capsule(t.__dlpack__(stream=None)))
+        array._torch_keepalive = t
+        return array
+
     def device_copy_to_torch(self, array):
         """A new torch tensor on this session's device holding a copy of a
         DeviceArray, made by an IREE queue copy into the tensor's memory
