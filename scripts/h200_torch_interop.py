@@ -5,7 +5,7 @@ against the float64 reference, with timings.
 Cases: host numpy caches; torch CUDA caches imported zero-copy (DLPack) with
 q on the GPU, so the results are made on the GPU (api._Results), with the
 stale rows checked on the GPU (unguarded kernels) and with NaN put there
-(guarded kernels); batch-1 long-context decode (split-KV merged by torch on
+(guarded kernels, also with NaN in q and a visible K); fp8 torch caches; batch-1 long-context decode (split-KV merged by torch on
 the GPU); a varlen (group mode) prefill+decode batch; and a CUDA tensor
 handed to a "cpu" session, which must be refused.
 
@@ -109,6 +109,18 @@ def main() -> int:
     print(f"guarded kernel, NaN in q and in a visible K: NaN rows as the reference: {same} "
           f"({int(np.isnan(refn).any(-1).sum())} NaN head rows), kernel {session.last_variant.name}", flush=True)
     ok &= same and session.last_variant.v_guard
+
+    # fp8 (e4m3fn) torch CUDA caches, imported as their bytes, f16 q.
+    k8t, v8t = kt.to(torch.float8_e4m3fn), vt.to(torch.float8_e4m3fn)
+    import ml_dtypes
+
+    k8, v8 = (t.cpu().view(torch.int8).numpy().view(ml_dtypes.float8_e4m3fn) for t in (k8t, v8t))
+    ref8, _ = fmha_fwd_paged_ref(q[sample], k8, v8, bt[sample], sl[sample], k_scale=0.5, v_scale=2.0)
+    call = lambda: turbine_fmha.fmha_fwd_paged(qt, k8t, v8t, bt, sl, k_scale=0.5, v_scale=2.0,  # noqa: E731
+                                               session=session, device="cuda")
+    ms = _timed(call)
+    out = call()
+    report("decode b32, fp8 e4m3fn torch CUDA caches (zero-copy bytes)", ms, _err(out[sample], ref8), out)
 
     # Batch-1 decode over 32k keys: split-KV, merged by torch on the GPU.
     sk1 = 32768

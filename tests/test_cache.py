@@ -145,12 +145,18 @@ def test_attention_over_the_cache(explicit_session, rng):
     np.testing.assert_array_equal(cache.gather(seqs[3])[0], k3)
 
 
-def test_device_resident_pool(explicit_session, rng):
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "float8_e4m3fn"])
+def test_device_resident_pool(explicit_session, rng, dtype):
     """With a session, the pool also lives on the device and is updated in
     place by the append kernel: after any mix of appends, forks (with
     copy-on-write) and frees it equals the host mirror, and attention runs
-    on it."""
-    cache = PagedKVCache(24, 16, 2, 64, "f16", session=explicit_session)
+    on it. An fp8 pool lives on the device as its bytes (the i8 append
+    kernel copies bits) and is read by f16 queries with descales."""
+    import ml_dtypes
+
+    fp8 = dtype.startswith("float8")
+    cache = PagedKVCache(24, 16, 2, 64, getattr(ml_dtypes, dtype) if fp8 else dtype, session=explicit_session)
+    raw = (lambda a: a.view(np.int8)) if fp8 else (lambda a: a)
     live = [cache.allocate()]
     for step in range(25):
         op = rng.random()
@@ -166,14 +172,15 @@ def test_device_resident_pool(explicit_session, rng):
                              rng.standard_normal((n, 2, 64)).astype(np.float16))
             except CacheFullError:
                 cache.free(live.pop(0)) if len(live) > 1 else None
-        np.testing.assert_array_equal(cache.k_dev.to_host(), cache.k)
-        np.testing.assert_array_equal(cache.v_dev.to_host(), cache.v)
+        np.testing.assert_array_equal(cache.k_dev.to_host(), raw(cache.k))
+        np.testing.assert_array_equal(cache.v_dev.to_host(), raw(cache.v))
     seqs = [s for s in live if cache.seqlen(s)]
-    q = rng.standard_normal((len(seqs), 3, 8, 64)).astype(np.float16)
-    out, lse = cache.attend(q, seqs, mask_type="bottom_right", return_lse=True)
+    q = rng.standard_normal((len(seqs), 3, 8, 64)).astype(np.float16 if fp8 else cache.k.dtype)
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
+    out, lse = cache.attend(q, seqs, mask_type="bottom_right", return_lse=True, **scales)
     bt, sk = cache.batch(seqs)
-    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, mask_type="bottom_right")
-    _check(out, lse, ref, ref_lse, "f16")
+    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, mask_type="bottom_right", **scales)
+    _check(out, lse, ref, ref_lse, "bf16" if dtype == "bf16" else "f16")
     with pytest.raises(TypeError, match="both"):
         turbine_fmha.fmha_fwd_paged(q, cache.k_dev, cache.v, bt, sk, session=explicit_session)
     with pytest.raises(TypeError, match="kv_rows_finite"):

@@ -97,11 +97,13 @@ class _DeviceCache:
     """An IREE DeviceArray cache seen through numpy's shape/dtype/ndim, for
     validation; `.array` goes to the kernels as is (no host copy)."""
 
-    def __init__(self, array):
+    def __init__(self, array, dtype=None):
         self.array = array
         self.shape = tuple(int(d) for d in array.shape)
         self.ndim = len(self.shape)
-        self.dtype = np.dtype(array.dtype)
+        # dtype: what the bytes hold where the array says less (PagedKVCache
+        # keeps fp8 pools as int8 on the device).
+        self.dtype = np.dtype(dtype if dtype is not None else array.dtype)
 
 
 class _TensorInfo:
@@ -142,6 +144,8 @@ class _TorchDeviceCache(_DeviceCache):
         import torch
 
         t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
+        if "float8" in str(t.dtype):
+            t = t.view(torch.int8)  # the kernels take fp8 caches as their bytes
         # The kernels run on IREE's stream: finish torch's writes first.
         torch.cuda.synchronize(t.device)
         self.array = session.import_torch(t)
@@ -153,9 +157,11 @@ def _is_device_array(x) -> bool:
 
 
 def _cache_array(x, name: str):
+    if isinstance(x, _DeviceCache):
+        return x
     if _is_device_array(x):
         return _DeviceCache(x)
-    if _is_torch(x) and x.device.type == "cuda" and "float8" not in str(x.dtype):
+    if _is_torch(x) and x.device.type == "cuda":
         return _TorchDeviceCache(x)
     return _to_numpy(x, name)
 
@@ -604,8 +610,6 @@ def fmha_fwd_paged(
     if kv_rows_finite is not None and not isinstance(kv_rows_finite, bool):
         raise TypeError(f"kv_rows_finite must be a bool or None, got {type(kv_rows_finite).__name__}")
     if on_device:
-        if kv_fp8:
-            raise TypeError("fp8 caches on the device are not supported yet; pass them as host arrays")
         for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(a, _TorchDeviceCache):
                 if session.device not in ("cuda", "hip"):
@@ -693,7 +697,7 @@ def fmha_fwd_paged(
         else:
             kc = np.ascontiguousarray(k_cache)
             vc = np.ascontiguousarray(v_cache)
-        if kv_fp8:  # the kernels take fp8 caches as i8 and decode them
+        if kv_fp8 and not on_device:  # the kernels take fp8 caches as i8 and decode them
             kc, vc = kc.view(np.int8), vc.view(np.int8)
         if not on_device:
             # CPU sessions read host caches in place instead of copying the

@@ -62,14 +62,21 @@ class PagedKVCache:
 
             from .variants import AppendKernel
 
-            name = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt)
+            from .api import _fp8_name
+
+            # fp8 pools live on the device as their bytes (int8), like the
+            # kernels take them; the append kernel copies bits.
+            self._bits = _fp8_name(dt) is not None
+            name = "i8" if self._bits else {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt)
+            if name is None and dt.name == "bfloat16":
+                name = "bf16"
             if name is None:
-                raise ValueError(f"device-resident caches take float16 or float32, got {dt}")
+                raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
             self._append_fn = session.append_function(
                 AppendKernel(name, nhead_k, hdim, hdim_v or hdim, page_block_size))
             device = session.device_of()
-            self.k_dev = rt.asdevicearray(device, self.k)
-            self.v_dev = rt.asdevicearray(device, self.v)
+            self.k_dev = rt.asdevicearray(device, self._raw(self.k))
+            self.v_dev = rt.asdevicearray(device, self._raw(self.v))
 
     # -- sequences -----------------------------------------------------------
 
@@ -166,8 +173,9 @@ class PagedKVCache:
                 pos = np.arange(first, length + n)
                 slot_p = np.asarray(pages, np.int64)[pos // page]
                 slots = np.stack([slot_p, pos % page], axis=1).astype(np.int32)
-                self._append_fn(np.ascontiguousarray(self.k[slot_p, pos % page]),
-                                np.ascontiguousarray(self.v[slot_p, pos % page]), slots, self.k_dev, self.v_dev)
+                self._append_fn(self._raw(np.ascontiguousarray(self.k[slot_p, pos % page])),
+                                self._raw(np.ascontiguousarray(self.v[slot_p, pos % page])), slots,
+                                self.k_dev, self.v_dev)
 
     # -- batches -------------------------------------------------------------
 
@@ -192,9 +200,19 @@ class PagedKVCache:
         if self.session is not None:
             kwargs.setdefault("session", self.session)
             kwargs.setdefault("device", self.session.device)
-        k, v = (self.k_dev, self.v_dev) if self.k_dev is not None else (self.k, self.v)
+        if self.k_dev is not None:
+            from .api import _DeviceCache
+
+            # The device arrays with the pool's own dtype (fp8 pools are
+            # int8 there).
+            k, v = _DeviceCache(self.k_dev, self.k.dtype), _DeviceCache(self.v_dev, self.v.dtype)
+        else:
+            k, v = self.k, self.v
         kwargs.setdefault("kv_rows_finite", self.values_finite)
         return fmha_fwd_paged(q, k, v, bt, sk, **kwargs)
+
+    def _raw(self, a: np.ndarray) -> np.ndarray:
+        return a.view(np.int8) if getattr(self, "_bits", False) else a
 
     def gather(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's K and V as contiguous [seqlen, nhead_k, hdim]

@@ -214,7 +214,7 @@ class PagedKVAppend(CustomOp):
 
     def select(self, ksel: KernelSelection):
         kn, vn, slots, kc, vc = (ksel.arg_tensor(i) for i in range(5))
-        torch._check(kc.t.dtype in _TORCH_DTYPE.values(), lambda: f"unsupported dtype {kc.t.dtype}")
+        torch._check(kc.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {kc.t.dtype}")
         torch._check(kn.t.dtype == kc.t.dtype and vn.t.dtype == vc.t.dtype == kc.t.dtype, lambda: "dtype mismatch")
         kn.specialize_dims(1, 2)
         vn.specialize_dims(1, 2)
@@ -241,7 +241,7 @@ def render_append(a: AppendKernel) -> str:
     if "turbine.turbine_fmha_pagedkv_append" not in ALL_CUSTOM_OP_REGS:
         CustomOp.register(PagedKVAppend)
     op = ALL_CUSTOM_OP_REGS["turbine.turbine_fmha_pagedkv_append"]
-    dt = _TORCH_DTYPE[a.dtype]
+    dt = torch.int8 if a.dtype == "i8" else _TORCH_DTYPE[a.dtype]
 
     def t(*shape, dtype=dt):
         return torch.empty(*shape, dtype=dtype, device="meta")

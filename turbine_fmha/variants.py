@@ -385,7 +385,7 @@ def target_unsupported(variant: Variant, target_kind: str) -> str | None:
     return None
 
 
-_APPEND_RE = re.compile(r"^pagedkv_append_(?P<dtype>f16|bf16|f32)_h(?P<hk>\d+)_d(?P<d>\d+)x(?P<dv>\d+)_pg(?P<page>\d+)$")
+_APPEND_RE = re.compile(r"^pagedkv_append_(?P<dtype>f16|bf16|f32|i8)_h(?P<hk>\d+)_d(?P<d>\d+)x(?P<dv>\d+)_pg(?P<page>\d+)$")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -400,8 +400,9 @@ class AppendKernel:
     page_block_size: int
 
     def __post_init__(self):
-        if self.dtype not in ("f16", "bf16", "f32"):
-            raise ValueError(f"append kernels take f16/bf16/f32 caches, got dtype={self.dtype!r}")
+        # i8: the bytes of an fp8 cache of any format (a scatter copies bits).
+        if self.dtype not in ("f16", "bf16", "f32", "i8"):
+            raise ValueError(f"append kernels take f16/bf16/f32/i8 caches, got dtype={self.dtype!r}")
         for f in ("nhead_k", "hdim", "hdim_v", "page_block_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
@@ -432,5 +433,5 @@ def parse_kernel(name: str):
 def default_append_kernels(gpu: bool) -> list[AppendKernel]:
     """Append kernels for the default sets' cache shapes."""
     if gpu:
-        return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16") for page in (16, 64)]
+        return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16", "i8") for page in (16, 64)]
     return [AppendKernel(dt, 8, hd, hd, page) for dt in ("f16", "bf16", "f32") for hd in DEFAULT_HDIMS for page in DEFAULT_PAGES]
