@@ -175,3 +175,41 @@ def test_nan_in_a_sink_token_with_gappy_kv(explicit_session, online_session, rng
     assert np.abs(out.astype(np.float64)[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
     if formulation != "explicit":
         assert session.last_variant.v_guard
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference's own inf - inf
+@pytest.mark.parametrize("formulation", ["explicit", "online", "online_guarded"])
+def test_inf_in_visible_data_like_the_reference(explicit_session, online_session, rng, formulation):
+    """Inf in q, K or V behaves as in the reference: +Inf scores make NaN
+    rows (inf - inf), a row whose every score is -Inf is empty (output 0,
+    LSE -inf), an Inf value row gives Inf/NaN outputs; the NaN, Inf and
+    finite patterns of the output and LSE match, and finite values agree.
+    With "online_guarded" NaN also sits in stale rows."""
+    session = explicit_session if formulation == "explicit" else online_session
+    lens = [40, 33, 17, 20]
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=4, seqlen_q=3, seqlens_k=lens,
+                                   nhead_q=4, nhead_k=2, hdim=32, page=16, spare_pages=0, extra_slots=0)
+    q[0, 1, 0, :] = np.abs(q[0, 1, 0, :])
+    k[bt[0, 0], :, 0, :] = np.abs(k[bt[0, 0], :, 0, :])
+    q[0, 1, 0, 5] = np.inf  # positive scores against keys 0-15 of head 0: +Inf -> NaN row
+    q[1, 2, 3, :] = -np.inf  # every score of that row is +-Inf (mixed signs: NaN)
+    k[bt[2, 0], 3, 1, :] = np.inf  # one visible K row of sequence 2, heads 2-3
+    k[bt[2, :2], :, 0, 9] = np.abs(k[bt[2, :2], :, 0, 9]) + 0.1
+    q[2, 0, 1, 9] = -np.inf  # every score of row 0, head 1 is -Inf: an empty row
+    v[bt[3, 1], 2, 0, 7] = np.inf  # one visible V element of sequence 3, heads 0-1
+    if formulation == "online_guarded":
+        v[bt[3, 1], 4:] = np.nan  # past sequence 3's 20 keys
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=session, **kw)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    o = out.astype(np.float64)
+    for name, a, b in (("out", o, ref), ("lse", lse.astype(np.float64), ref_lse)):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"{name} NaN pattern")
+        np.testing.assert_array_equal(np.isposinf(a), np.isposinf(b), err_msg=f"{name} +Inf pattern")
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=f"{name} -Inf pattern")
+    assert np.isnan(ref).any() and np.isinf(ref).any()
+    assert ref_lse[2, 1, 0] == -np.inf and (ref[2, 0, 1] == 0).all()
+    fin = np.isfinite(ref)
+    assert np.abs(o[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
+    if formulation != "explicit":
+        assert session.last_variant.v_guard == (formulation == "online_guarded")
