@@ -5,7 +5,8 @@ against the float64 reference, with timings.
 Cases: host numpy caches; torch CUDA caches imported zero-copy (DLPack) with
 q on the GPU, so the results are made on the GPU (api._Results), with the
 stale rows checked on the GPU (unguarded kernels) and with NaN put there
-(guarded kernels, also with NaN in q and a visible K); fp8 torch caches; batch-1 long-context decode (split-KV merged by torch on
+(guarded kernels, also with NaN in q and a visible K); fp8 torch caches;
+a non-paged cache with cache_batch_idx into a preallocated torch out; batch-1 long-context decode (split-KV merged by torch on
 the GPU); a varlen (group mode) prefill+decode batch; and a CUDA tensor
 handed to a "cpu" session, which must be refused.
 
@@ -160,6 +161,24 @@ def main() -> int:
     ms = _timed(call)
     out = call()
     report("group mode 2 prefills + 2 decodes, torch CUDA", ms, _err(out, refg), out)
+
+    # Non-paged KV cache (cache_batch_idx), torch CUDA caches viewed as pages
+    # on the GPU, into a preallocated torch out.
+    kc = torch.from_numpy(k[: 8 * 256].reshape(8, 4096, hk, d)).cuda()
+    vc = torch.from_numpy(v[: 8 * 256].reshape(8, 4096, hk, d)).cuda()
+    idx = np.array([5, 0, 7, 2], np.int32)
+    slc = np.array([4096, 100, 2049, 1], np.int32)
+    qc = q[:4].copy()
+    outc = torch.empty((4, 1, hq, d), dtype=torch.float16, device="cuda")
+    call = lambda: turbine_fmha.fmha_fwd_kvcache(torch.from_numpy(qc).cuda(), kc, vc, slc,  # noqa: E731
+                                                 cache_batch_idx=idx, out=outc, session=session, device="cuda")
+    ms = _timed(call)
+    got = call()
+    ok &= got is outc
+    k4, v4 = kc.cpu().numpy(), vc.cpu().numpy()
+    btc = (idx[:, None] * 32 + np.arange(32)[None, :]).astype(np.int32)  # pages of 128 rows
+    refc, _ = fmha_fwd_paged_ref(qc, k4.reshape(-1, 128, hk, d), v4.reshape(-1, 128, hk, d), btc, slc)
+    report("non-paged KV cache (cache_batch_idx), torch CUDA, into a torch out", ms, _err(outc, refc), outc)
 
     # A CUDA tensor for a "cpu" session: refused by name, nothing copied.
     try:

@@ -70,3 +70,41 @@ def test_torch_results_match_numpy_results(online_session, rng):
     out_t, lse_t = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, **kw)
     np.testing.assert_array_equal(out_t.view(torch.int16).numpy(), out_np.view(np.int16))
     np.testing.assert_array_equal(lse_t.numpy(), lse_np)
+
+
+def test_torch_out_is_written_and_returned(explicit_session, rng):
+    """A preallocated torch out on q's device is filled in place (rows of
+    skipped sequences left untouched, as for numpy); a torch out with a
+    numpy q, or of the wrong shape, is refused before any work."""
+    lens_q = [3, 1, 2]
+    q4, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=3, seqlens_k=[20, 9, 33],
+                                    nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
+    seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    out = torch.full((q.shape[0], 4, 64), 7.0, dtype=torch.float16)
+    got = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, seqstart_q=seqstart, min_seqlen_q=1, out=out,
+                                      session=explicit_session)
+    assert got is out
+    ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart)
+    kept = np.repeat(np.array(lens_q) > 1, lens_q)
+    assert (out[torch.from_numpy(~kept)] == 7.0).all()  # the skipped sequence's row
+    err = np.abs(out.double().numpy()[kept] - ref[kept]).max() / np.abs(ref[kept]).max()
+    assert err <= OUT_TOL["f16"]
+    with pytest.raises(TypeError, match="torch out needs q"):
+        turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, out=out, session=explicit_session)
+    with pytest.raises(ValueError, match="out must have shape"):
+        turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, seqstart_q=seqstart, out=out[:-1], session=explicit_session)
+
+
+def test_kvcache_mode_keeps_torch_caches_torch(explicit_session, rng):
+    """fmha_fwd_kvcache views torch caches as pages with torch (no numpy
+    round trip; on a GPU they then stay there) and gives the paged result."""
+    b, max_sk = 3, 48
+    k = rng.standard_normal((4, max_sk, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((4, max_sk, 2, 64)).astype(np.float16)
+    q = rng.standard_normal((b, 2, 4, 64)).astype(np.float16)
+    sk = np.array([48, 5, 30], np.int32)
+    idx = np.array([3, 0, 2], np.int32)
+    out = turbine_fmha.fmha_fwd_kvcache(_t(q), _t(k), _t(v), sk, cache_batch_idx=idx, session=explicit_session)
+    ref = turbine_fmha.fmha_fwd_kvcache(q, k, v, sk, cache_batch_idx=idx, session=explicit_session)
+    np.testing.assert_array_equal(out.numpy(), ref)

@@ -330,8 +330,9 @@ def fmha_fwd_paged(
       min_seqlen_q: group mode only: sequences with seqlen_q <= min_seqlen_q
         are skipped (ck_tile's skip_min_seqlen_q). Their output rows are left
         untouched in a caller-provided `out`, zero otherwise; their LSE is -inf.
-      out: optional C-contiguous numpy array of the output's shape and dtype
-        to write into (returned).
+      out: optional C-contiguous array of the output's shape and dtype to
+        write into (returned): numpy, or, with a torch q on the session's
+        device, a torch tensor on that device.
       scale: softmax scale, default 1/sqrt(hdim_q).
       mask_type: "none", "top_left" or "bottom_right" (ck_tile's generic mask;
         bottom_right shifts the diagonal by seqlen_k - seqlen_q per sequence).
@@ -399,7 +400,7 @@ def fmha_fwd_paged(
     _check_tensor_devices(
         session.device if isinstance(session, Session) else device,
         q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
-        seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks,
+        seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks, out=out,
     )
     as_torch = _is_torch(q)
     like = q
@@ -593,11 +594,19 @@ def fmha_fwd_paged(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     out_shape = q.shape[:-1] + (hdim_v,)
     if out is not None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-        if out.shape != out_shape or out.dtype != q.dtype:
+        if _is_torch(out):
+            if not as_torch or out.device != like.device:
+                raise TypeError("a torch out needs q to be a torch tensor on the same device")
+            out_dtype = _torch_np_dtype(out.dtype)
+            if tuple(out.shape) != out_shape or out_dtype != q.dtype:
+                raise ValueError(f"out must have shape {list(out_shape)} and dtype {q.dtype}, got {list(out.shape)} {out_dtype}")
+            if not out.is_contiguous():
+                raise ValueError("out must be a contiguous tensor")
+        elif not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
+        elif out.shape != out_shape or out.dtype != q.dtype:
             raise ValueError(f"out must have shape {list(out_shape)} and dtype {q.dtype}, got {list(out.shape)} {out.dtype}")
-        if not out.flags.c_contiguous or not out.flags.writeable:
+        elif not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("out must be a writeable C-contiguous array")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -619,7 +628,10 @@ def fmha_fwd_paged(
                 raise ValueError(f"{name} is a DeviceArray of another device than the session's ({session.device})")
 
     # --- everything below runs only on validated arguments ---------------
-    torch_results = as_torch and not squant and out is None and str(like.device) == session.torch_device
+    torch_results = (as_torch and not squant and (out is None or _is_torch(out))
+                     and str(like.device) == session.torch_device)
+    if _is_torch(out) and not torch_results:
+        raise ValueError(f"a torch out needs q on the session's device ({session.torch_device}) and not fp8")
     results = _Results(session, like if torch_results else None)
     if isinstance(q, _TensorInfo) and not torch_results:
         q = _to_numpy(like, "q")
@@ -797,12 +809,14 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
     """
     if kwargs.get("v_layout", "row") != "row":
         raise ValueError("v_layout='col' is supported for paged caches only (fmha_fwd_paged)")
-    k_np = _to_numpy(k_cache, "k_cache")
-    v_np = _to_numpy(v_cache, "v_cache")
+    # torch caches stay torch tensors (reshaped as views on their device);
+    # everything else becomes numpy.
+    k_np = k_cache if _is_torch(k_cache) else _to_numpy(k_cache, "k_cache")
+    v_np = v_cache if _is_torch(v_cache) else _to_numpy(v_cache, "v_cache")
     for name, a in (("k_cache", k_np), ("v_cache", v_np)):
         if a.ndim != 4:
             raise ValueError(f"{name} must have 4 dims [batch_cache, max_seqlen_k, nhead_k, hdim], got shape {a.shape}")
-    if v_np.shape[:3] != k_np.shape[:3]:
+    if tuple(v_np.shape[:3]) != tuple(k_np.shape[:3]):
         raise ValueError(f"v_cache shape {v_np.shape} must match k_cache {k_np.shape} in its first 3 dims")
     batch_cache, max_sk = k_np.shape[:2]
     sk = _int_array(seqlen_k, "seqlen_k", 1)
@@ -823,8 +837,11 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
             raise ValueError(f"cache_batch_idx[{b}] = {rows_idx[b]} is not a cache row in [0, {batch_cache})")
     page = next(p for p in (128, 64, 32, 16, 1) if max_sk % p == 0) if max_sk else 1
     per_row = max(1, max_sk // page)
-    k_pages = np.ascontiguousarray(k_np).reshape(batch_cache * per_row, page, *k_np.shape[2:]) if max_sk else k_np.reshape(batch_cache, 1, *k_np.shape[2:])
-    v_pages = np.ascontiguousarray(v_np).reshape(batch_cache * per_row, page, *v_np.shape[2:]) if max_sk else v_np.reshape(batch_cache, 1, *v_np.shape[2:])
+    def pages_of(a):
+        a = a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
+        return a.reshape(batch_cache * per_row, page, *a.shape[2:]) if max_sk else a.reshape(batch_cache, 1, *a.shape[2:])
+
+    k_pages, v_pages = pages_of(k_np), pages_of(v_np)
     block_table = (rows_idx[:, None] * per_row + np.arange(per_row)[None, :]).astype(np.int32)
     return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 
