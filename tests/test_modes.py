@@ -279,3 +279,31 @@ def test_bad_v_layout(tmp_path):
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", [2, 3], [20, 5], nq=4)
     with pytest.raises(ValueError, match="v_cache"):  # row-major cache passed as col
         turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, v_layout="col", session=s)
+
+
+def test_kvcache_pages_follow_the_session_kernels(monkeypatch, tmp_path, rng):
+    """The non-paged cache is viewed as pages of the largest size dividing
+    max_seqlen_k that the session has kernels for: a session built with
+    page-16 kernels only (like the GPU default sets, which have 16 and 64)
+    gets 16-row pages for max_seqlen_k = 256, not 128."""
+    import turbine_fmha.api as api
+    from turbine_fmha.variants import Variant
+
+    class Page16Session(turbine_fmha.Session):
+        def available_variants(self):
+            return [Variant.parse("pagedkv_fwd_f16_d64x64_h4x2_pg16_nmask_lse_explicit")]
+
+    seen = {}
+
+    def fake_paged(q, k_pages, v_pages, block_table, seqlen_k, **kw):
+        seen["page"] = k_pages.shape[1]
+        seen["table"] = block_table
+
+    monkeypatch.setattr(api, "fmha_fwd_paged", fake_paged)
+    k = np.zeros((2, 256, 2, 64), np.float16)
+    q = np.zeros((2, 1, 4, 64), np.float16)
+    api.fmha_fwd_kvcache(q, k, k, np.array([256, 3], np.int32), session=Page16Session("cpu", artifact_dir=tmp_path))
+    assert seen["page"] == 16 and seen["table"].shape == (2, 16)
+    api.fmha_fwd_kvcache(q, k, k, np.array([256, 3], np.int32),
+                         session=turbine_fmha.Session("cpu", artifact_dir=tmp_path, compile_missing=True, cache_dir=tmp_path))
+    assert seen["page"] == 128

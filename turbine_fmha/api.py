@@ -835,8 +835,18 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
         if batch and (rows_idx.min() < 0 or rows_idx.max() >= batch_cache):
             b = int(np.argmax((rows_idx < 0) | (rows_idx >= batch_cache)))
             raise ValueError(f"cache_batch_idx[{b}] = {rows_idx[b]} is not a cache row in [0, {batch_cache})")
-    page = next(p for p in (128, 64, 32, 16, 1) if max_sk % p == 0) if max_sk else 1
+    # The largest page dividing max_seqlen_k that the session has kernels
+    # for (GPU default sets have pages 16 and 64 only), else the largest.
+    fits = [p for p in (128, 64, 32, 16, 1) if max_sk % p == 0] if max_sk else [1]
+    session = kwargs.get("session")
+    if session is None:
+        session = kwargs["session"] = default_session(kwargs.get("device", "cpu"))
+    served = set() if getattr(session, "compile_missing", True) else {
+        v.page_block_size for v in session.available_variants()
+        if v.hdim_q == k_np.shape[3] and v.nhead_k == k_np.shape[2]}
+    page = next((p for p in fits if p in served), fits[0])
     per_row = max(1, max_sk // page)
+
     def pages_of(a):
         a = a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
         return a.reshape(batch_cache * per_row, page, *a.shape[2:]) if max_sk else a.reshape(batch_cache, 1, *a.shape[2:])
