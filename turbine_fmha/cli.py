@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .targets import TARGETS
-from .variants import Variant
+from .variants import parse_kernel
 
 
 def _cmd_build(args) -> int:
@@ -23,7 +23,7 @@ def _cmd_build(args) -> int:
     variants = None
     if args.variants:
         try:
-            variants = [Variant.parse(n) for n in args.variants.split(",") if n.strip()]
+            variants = [parse_kernel(n) for n in args.variants.split(",") if n.strip()]
         except ValueError as e:
             print(f"--variants: {e}", file=sys.stderr)
             return 2

@@ -161,7 +161,9 @@ class Session:
                     self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
 
     def available_variants(self) -> list[Variant]:
-        return [Variant.parse(n) for n in sorted(self._index)]
+        """The attention variants of the session's manifests (append kernels
+        left out)."""
+        return [k for k in (parse_kernel(n) for n in sorted(self._index)) if isinstance(k, Variant)]
 
     def _iree_config(self):
         with self._lock:
