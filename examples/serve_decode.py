@@ -47,7 +47,7 @@ class Request:
 
 def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k: int, hdim: int, page: int,
                 num_pages: int, prompt_range=(16, 256), generate_range=(8, 64), verify_every: int = 10,
-                seed: int | None = None, log=print) -> dict:
+                seed: int | None = None, log=print, torch_q: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     dt = np.float16
     # The pool lives on the session's device; appends write only new rows.
@@ -87,7 +87,16 @@ def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k
         seqstart = np.concatenate([[0], np.cumsum([n for _, n in rows])]).astype(np.int32)
         q = rng.standard_normal((int(seqstart[-1]), nhead_q, hdim)).astype(dt)
         kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0)
-        out = cache.attend(q, seqs, **kw)
+        if torch_q:
+            # As a model would hand it over: q on the session's device. The
+            # output then stays there too (fmha_fwd_paged's torch path).
+            import torch
+
+            out = cache.attend(torch.from_numpy(q).to(session.torch_device), seqs, **kw)
+            if out.is_cuda:
+                torch.cuda.synchronize()
+        else:
+            out = cache.attend(q, seqs, **kw)
         latencies.append((time.perf_counter() - t0) * 1e3)
         tokens += int(seqstart[-1])
         steps += 1
@@ -95,7 +104,8 @@ def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k
             # The host mirror holds what the device pool holds (tests check it).
             bt, sk = cache.batch(seqs)
             ref, _ = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, **kw)
-            err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
+            got = out.cpu().numpy() if torch_q else out
+            err = float(np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max())
             if not err <= TOL["f16"]:
                 raise AssertionError(f"step {steps}: rel err {err:.3e} > {TOL['f16']}")
             verified += 1
@@ -126,10 +136,13 @@ def main() -> int:
     ap.add_argument("--num-pages", type=int, default=1024)
     ap.add_argument("--verify-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--torch-q", action="store_true",
+                    help="pass q as a torch tensor on the session's device (output comes back there)")
     args = ap.parse_args()
     session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts)
     stats = run_service(session, requests=args.requests, max_batch=args.max_batch, nhead_q=32, nhead_k=8, hdim=128,
-                        page=16, num_pages=args.num_pages, verify_every=args.verify_every, seed=args.seed)
+                        page=16, num_pages=args.num_pages, verify_every=args.verify_every, seed=args.seed,
+                        torch_q=args.torch_q)
     print(f"{stats['steps']} steps, {stats['tokens']} tokens ({stats['seconds']} s with the checks): "
           f"{stats['tokens_per_s']} tokens/s over the steps; "
           f"step latency p50 {stats['p50_ms']} ms, p99 {stats['p99_ms']} ms; "
