@@ -221,7 +221,15 @@ class _Results:
                 for a in args]
             torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
         o, l = self.session.run_variant(variant, *args, on_device=True)
-        return self.session.to_torch(o), self.session.to_torch(l)
+        return self.session.to_torch(o, l)
+
+    def index(self, a: np.ndarray):
+        """An integer index array where this call's arrays live."""
+        if self.torch_device is None:
+            return a
+        import torch
+
+        return torch.as_tensor(a, device=self.torch_device)
 
     def combine(self, o, l, n, sinks):
         if self.torch_device is None:
@@ -660,9 +668,15 @@ def fmha_fwd_paged(
         # path, where plan_calls pads it with torch too.
         q_src = like.detach() if torch_results else q
         if group:
+            # Varlen rows <-> [sequence, row] padded rows, as one gather /
+            # scatter each way (one launch on a GPU, not one per sequence).
+            lens = seqlens_q[active]
+            owner = np.repeat(np.arange(active.size), lens)
+            within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            src = results.index(seqstart[active][owner] + within)  # rows of q / out
+            dst = results.index(owner * rows + within)  # rows of the padded [active * rows]
             qb = results.empty((active.size, rows) + q.shape[1:], q.dtype, fill=0)
-            for i, b in enumerate(active):
-                qb[i, : seqlens_q[b]] = q_src[seqstart[b] : seqstart[b + 1]]
+            qb.reshape((active.size * rows,) + q.shape[1:])[dst] = q_src[src]
         else:
             qb = q_src.contiguous() if torch_results else np.ascontiguousarray(q)
         # Gappy KV: drop whole pages in front of each sequence's first key;
@@ -781,10 +795,8 @@ def fmha_fwd_paged(
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
         if group:
-            for i, b in enumerate(active):
-                s0, s1 = seqstart[b], seqstart[b + 1]
-                out[s0:s1] = out_b[i, : s1 - s0]
-                lse[:, s0:s1] = lse_b[i, :, : s1 - s0]
+            out[src] = out_b.reshape((active.size * rows, nhead_q, hdim_v))[dst]
+            lse[:, src] = lse_b.swapaxes(0, 1).reshape((nhead_q, active.size * rows))[:, dst]
     if torch_results:
         return (out, lse) if return_lse else out
     if as_torch:

@@ -319,23 +319,28 @@ class Session:
         GPU, which torch calls cuda:0; ROCm torch also says "cuda")."""
         return "cpu" if self.target.driver == "local-task" else "cuda:0"
 
-    def to_torch(self, array):
-        """A torch tensor on this session's device with a DeviceArray's
-        contents, never through the host: a DLPack view of the IREE buffer
-        (which it keeps alive) where the driver exports it, else a
-        device-to-device copy into a new tensor (device_copy_to_torch)."""
+    def to_torch(self, *arrays):
+        """torch tensors on this session's device with the DeviceArrays'
+        contents, never through the host: DLPack views of the IREE buffers
+        (which they keep alive) where the driver exports them, else
+        device-to-device copies into new tensors (device_copy_to_torch).
+        Returns one tensor per array."""
         import torch
 
-        # DLPack device type codes: kDLCPU, kDLCUDA, kDLROCM.
-        code = {"local-task": 1, "cuda": 2, "hip": 10}[self.target.driver]
-        index = 0 if code == 1 else torch.device(self.torch_device).index
-        try:
-            return torch.from_dlpack(self.device_of().create_dlpack_capsule(array._buffer_view, code, index))
-        except RuntimeError:
-            # IREE's CUDA driver exports only plain device allocations, not
-            # the stream-ordered ones that hold function results (measured
-            # on the H200: "buffer type is not supported for export").
-            return self.device_copy_to_torch(array)
+        if getattr(self, "_exports", True):
+            # DLPack device type codes: kDLCPU, kDLCUDA, kDLROCM.
+            code = {"local-task": 1, "cuda": 2, "hip": 10}[self.target.driver]
+            index = 0 if code == 1 else torch.device(self.torch_device).index
+            try:
+                return tuple(torch.from_dlpack(self.device_of().create_dlpack_capsule(a._buffer_view, code, index))
+                             for a in arrays)
+            except RuntimeError:
+                # IREE's CUDA driver exports only plain device allocations,
+                # not the stream-ordered ones that hold function results
+                # (measured on the H200: "buffer type is not supported for
+                # export"). Remembered, so later calls go straight to copies.
+                self._exports = False
+        return self.device_copy_to_torch(*arrays)
 
     def import_torch(self, tensor):
         """A DeviceArray over a torch tensor on this session's GPU, zero
@@ -350,25 +355,28 @@ class Session:
         array._torch_keepalive = t
         return array
 
-    def device_copy_to_torch(self, array):
-        """A new torch tensor on this session's device holding a copy of a
-        DeviceArray, made by an IREE queue copy into the tensor's memory
-        (imported through DLPack), waited for before returning. Verified on
-        CUDA (scripts/h200_torch_interop.py); the CPU driver never needs it
-        (it exports) and refuses queue copies into imported torch memory."""
+    def device_copy_to_torch(self, *arrays):
+        """New torch tensors on this session's device holding copies of
+        DeviceArrays, made by IREE queue copies into the tensors' memory
+        (imported through DLPack), waited for once before returning.
+        Verified on CUDA (scripts/h200_torch_interop.py); the CPU driver
+        never needs it (it exports) and refuses queue copies into imported
+        torch memory."""
         import torch
 
-        dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "int8": torch.int8}[np.dtype(array.dtype).name]
-        t = torch.empty(tuple(array.shape), dtype=dtype, device=self.torch_device)
-        if t.is_cuda:
-            torch.cuda.synchronize(t.device)  # the allocation is stream-ordered too
+        names = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+        out = [torch.empty(tuple(a.shape), dtype=names[np.dtype(a.dtype).name], device=self.torch_device)
+               for a in arrays]
+        if out and out[0].is_cuda:
+            torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
         device = self.device_of()
-        dst = device.from_dlpack_capsule(t.__dlpack__(stream=None) if t.is_cuda else t.__dlpack__())
         done = device.create_semaphore(0)
-        device.queue_copy(array._buffer_view.get_buffer(), dst.get_buffer(), [], [(done, 1)])
-        done.wait(1)
-        return t
+        for i, (a, t) in enumerate(zip(arrays, out), 1):
+            dst = device.from_dlpack_capsule(t.__dlpack__(stream=None) if t.is_cuda else t.__dlpack__())
+            device.queue_copy(a._buffer_view.get_buffer(), dst.get_buffer(), [(done, i - 1)], [(done, i)])
+        if out:
+            done.wait(len(out))
+        return tuple(out)
 
     def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
