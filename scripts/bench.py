@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.api import _bf16  # noqa: E402
+from turbine_fmha.arrays import _bf16  # noqa: E402
 from turbine_fmha import plan as tf_plan  # noqa: E402
 from turbine_fmha.plan import KernelCall, combine_splits, num_splits_heuristic, plan_calls, split_kv  # noqa: E402
 from turbine_fmha.variants import UNBOUNDED, Variant, bias_shape_of  # noqa: E402

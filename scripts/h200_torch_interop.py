@@ -3,7 +3,7 @@
 against the float64 reference, with timings.
 
 Cases: host numpy caches; torch CUDA caches imported zero-copy (DLPack) with
-q on the GPU, so the results are made on the GPU (api._Results), with the
+q on the GPU, so the results are made on the GPU (arrays._Results), with the
 stale rows checked on the GPU (unguarded kernels) and with NaN put there
 (guarded kernels, also with NaN in q and a visible K); fp8 torch caches;
 a non-paged cache with cache_batch_idx into a preallocated torch out; batch-1 long-context decode (split-KV merged by torch on

@@ -90,7 +90,7 @@ def test_tensor_on_wrong_device(trap, rng, arg):
     """A torch tensor on a device that is not the session's (here: "meta",
     which holds no data, for a "cpu" session) is refused by name, not
     copied; on a CUDA machine a cuda:0 tensor for a "cpu" session takes the
-    same branch (api._check_tensor_devices)."""
+    same branch (arrays._check_tensor_devices)."""
     torch = pytest.importorskip("torch")
     q, k, v, bt, sk = _good(rng)
     args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk,

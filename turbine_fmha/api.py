@@ -14,11 +14,25 @@ import numbers
 
 import numpy as np
 
+from .arrays import (
+    _bf16,
+    _cache_array,
+    _check_tensor_devices,
+    _DeviceCache,
+    _dtype_name,
+    _fp8_max,
+    _fp8_name,
+    _from_numpy,
+    _is_torch,
+    _Results,
+    _TensorInfo,
+    _TorchDeviceCache,
+    _to_numpy,
+    _torch_np_dtype,
+)
 from .plan import (
     KernelCall,
     bias_in_table_rows,
-    combine_splits,
-    combine_splits_torch,
     fill_unused_slots,
     num_splits_heuristic,
     plan_calls,
@@ -31,225 +45,6 @@ from .variants import UNBOUNDED, bias_shape_of
 
 MASK_TYPES = ("none", "top_left", "bottom_right")
 DEVICES = ("cpu", "cuda", "hip")
-
-
-def _bf16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _dtype_name(dt: np.dtype) -> str | None:
-    if dt == np.float16:
-        return "f16"
-    if dt == np.float32:
-        return "f32"
-    if dt == _bf16():
-        return "bf16"
-    return None
-
-
-_FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
-
-
-def _fp8_name(dt: np.dtype) -> str | None:
-    """ml_dtypes fp8 dtype -> variant dtype name (f8e4m3fn, ...), or None."""
-    import ml_dtypes
-
-    for name in _FP8_NAMES:
-        if dt == np.dtype(getattr(ml_dtypes, name)):
-            return "f8" + name.split("_", 1)[1].replace("_", "")
-    return None
-
-
-def _fp8_max(dt: np.dtype) -> float:
-    import ml_dtypes
-
-    return float(ml_dtypes.finfo(dt).max)
-
-
-def _is_torch(x) -> bool:
-    t = type(x)
-    return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
-
-
-def _to_numpy(x, name: str):
-    if _is_torch(x):
-        import torch
-
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            return t.contiguous().view(torch.int16).numpy().view(_bf16())
-        if "float8" in str(t.dtype):
-            import ml_dtypes
-
-            np_name = str(t.dtype).split(".")[-1]
-            return t.contiguous().view(torch.int8).numpy().view(getattr(ml_dtypes, np_name))
-        return t.numpy()
-    if isinstance(x, np.ndarray):
-        return x
-    raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
-
-
-class _DeviceCache:
-    """An IREE DeviceArray cache seen through numpy's shape/dtype/ndim, for
-    validation; `.array` goes to the kernels as is (no host copy)."""
-
-    def __init__(self, array, dtype=None):
-        self.array = array
-        self.shape = tuple(int(d) for d in array.shape)
-        self.ndim = len(self.shape)
-        # dtype: what the bytes hold where the array says less (PagedKVCache
-        # keeps fp8 pools as int8 on the device).
-        self.dtype = np.dtype(dtype if dtype is not None else array.dtype)
-
-
-class _TensorInfo:
-    """shape / ndim / dtype (numpy's) of a torch tensor, for validation
-    without copying its data off its device."""
-
-    def __init__(self, tensor):
-        self.shape = tuple(int(d) for d in tensor.shape)
-        self.ndim = len(self.shape)
-        self.dtype = _torch_np_dtype(tensor.dtype)
-
-
-def _torch_np_dtype(dtype):
-    name = str(dtype).split(".")[-1]
-    if name == "bfloat16":
-        return _bf16()
-    if "float8" in name:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
-
-
-class _TorchDeviceCache(_DeviceCache):
-    """A torch CUDA/HIP tensor cache, imported into the session's device
-    zero-copy through DLPack when the call runs (`bind`)."""
-
-    def __init__(self, tensor):
-        import torch
-
-        self.tensor = tensor.detach()
-        self.array = None
-        self.shape = tuple(int(d) for d in tensor.shape)
-        self.ndim = len(self.shape)
-        self.dtype = _torch_np_dtype(tensor.dtype)
-
-    def bind(self, session):
-        import torch
-
-        t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
-        if "float8" in str(t.dtype):
-            t = t.view(torch.int8)  # the kernels take fp8 caches as their bytes
-        # The kernels run on IREE's stream: finish torch's writes first.
-        torch.cuda.synchronize(t.device)
-        self.array = session.import_torch(t)
-
-
-def _is_device_array(x) -> bool:
-    t = type(x)
-    return t.__name__ == "DeviceArray" and t.__module__.startswith("iree.runtime")
-
-
-def _cache_array(x, name: str):
-    if isinstance(x, _DeviceCache):
-        return x
-    if _is_device_array(x):
-        return _DeviceCache(x)
-    if _is_torch(x) and x.device.type == "cuda":
-        return _TorchDeviceCache(x)
-    return _to_numpy(x, name)
-
-
-def _check_tensor_devices(device: str, **arrays) -> None:
-    """torch tensors must be in host memory or, for a cuda/hip session, on
-    its GPU (Session.torch_device): anything else is refused by name rather
-    than silently copied across devices."""
-    for name, x in arrays.items():
-        if not _is_torch(x):
-            continue
-        d = x.device
-        if d.type == "cpu" or (device != "cpu" and d.type == "cuda" and d.index in (None, 0)):
-            continue
-        where = "host memory" if device == "cpu" else "host memory or cuda:0"
-        raise ValueError(f"{name} is a torch tensor on {d}, but the session runs on {device!r}: pass it in {where}")
-
-
-class _Results:
-    """Where a call's results live: numpy arrays, or, when q is a torch
-    tensor on the session's own device, torch tensors there. Kernel results
-    then reach them as DLPack views of the IREE buffers (no host round
-    trip), and padding, chunks, splits and varlen rows are all arranged by
-    torch on that device."""
-
-    def __init__(self, session, like=None):
-        self.session = session
-        self.torch_device = None if like is None else like.device
-
-    def empty(self, shape, dtype, fill=None):
-        if self.torch_device is None:
-            a = np.empty(shape, dtype)
-        else:
-            import torch
-
-            dt = torch.bfloat16 if dtype == _bf16() else getattr(torch, np.dtype(dtype).name)
-            a = torch.empty(shape, dtype=dt, device=self.torch_device)
-        if fill is not None:
-            a[...] = fill
-        return a
-
-    def run(self, variant, *args):
-        if self.torch_device is None:
-            return self.session.run_variant(variant, *args)
-        if self.torch_device.type == "cpu":
-            args = [_to_numpy(a, "q") if _is_torch(a) else a for a in args]
-        else:
-            # On the GPU every argument goes in as torch memory imported
-            # through DLPack: q as padded on the device, the small host
-            # arrays after one copy each. IREE's own per-call uploads
-            # allocated device memory for each, which cost more than the
-            # kernel (scripts/api_profile.py).
-            import torch
-
-            args = [a if _is_device_array(a) else self.session.import_torch(
-                a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True))
-                for a in args]
-            torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
-        o, l = self.session.run_variant(variant, *args, on_device=True)
-        return self.session.to_torch(o, l)
-
-    def index(self, a: np.ndarray):
-        """An integer index array where this call's arrays live."""
-        if self.torch_device is None:
-            return a
-        import torch
-
-        return torch.as_tensor(a, device=self.torch_device)
-
-    def combine(self, o, l, n, sinks):
-        if self.torch_device is None:
-            return combine_splits(o, l, n, sinks)
-        return combine_splits_torch(o, l, n, sinks)
-
-
-def _numpy_to_torch(a: np.ndarray):
-    """A CPU torch tensor over a numpy array's memory (bf16 and fp8 too)."""
-    import torch
-
-    if a.dtype == _bf16():
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    if _fp8_name(a.dtype):
-        return torch.from_numpy(a.view(np.int8)).view(getattr(torch, str(a.dtype)))
-    return torch.from_numpy(a)
-
-
-def _from_numpy(a: np.ndarray, like):
-    return _numpy_to_torch(a).to(like.device)
 
 
 def _check_int(value, name: str, *, minimum: int) -> int:

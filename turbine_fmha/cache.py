@@ -62,7 +62,7 @@ class PagedKVCache:
 
             from .variants import AppendKernel
 
-            from .api import _fp8_name
+            from .arrays import _fp8_name
 
             # fp8 pools live on the device as their bytes (int8), like the
             # kernels take them; the append kernel copies bits.
@@ -201,7 +201,7 @@ class PagedKVCache:
             kwargs.setdefault("session", self.session)
             kwargs.setdefault("device", self.session.device)
         if self.k_dev is not None:
-            from .api import _DeviceCache
+            from .arrays import _DeviceCache
 
             # The device arrays with the pool's own dtype (fp8 pools are
             # int8 there).
