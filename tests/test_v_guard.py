@@ -213,3 +213,35 @@ def test_inf_in_visible_data_like_the_reference(explicit_session, online_session
     assert np.abs(o[fin] - ref[fin]).max() <= 5e-3 * np.abs(ref[fin]).max()
     if formulation != "explicit":
         assert session.last_variant.v_guard == (formulation == "online_guarded")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference's own inf - inf
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("formulation", ["explicit", "online", "online_guarded"])
+def test_nan_or_inf_in_a_key_some_rows_do_not_see(explicit_session, online_session, rng, formulation, poison):
+    """A causal mask hides key 6 from rows 0-5. NaN (or +Inf, with q and the
+    key positive so its scores are +Inf) in that key's K makes rows 6-7
+    NaN and leaves rows 0-5 exact, as in the reference. The online kernels
+    used to add the mask to the NaN score and made every row NaN. With
+    "online_guarded" the stale rows past the 8 keys hold NaN V and +Inf
+    K, which must not leak either."""
+    session = explicit_session if formulation == "explicit" else online_session
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=1, seqlen_q=8, seqlens_k=[8],
+                                   nhead_q=2, nhead_k=1, hdim=32, page=16, spare_pages=0, extra_slots=0)
+    q[...] = np.abs(q)
+    if poison == "nan":
+        k[bt[0, 0], 6, 0, 3] = np.nan
+    else:
+        k[bt[0, 0], 6, 0, :] = np.inf
+    if formulation == "online_guarded":
+        v[bt[0, 0], 9:] = np.nan
+        k[bt[0, 0], 10:] = np.inf
+    kw = dict(mask_type="top_left", window_size_right=0)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=session, **kw)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    assert np.isnan(ref[0, 6:]).all() and np.isfinite(ref[0, :6]).all()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    assert np.abs(out[0, :6].astype(np.float64) - ref[0, :6]).max() <= 5e-3 * np.abs(ref[0, :6]).max()
+    if formulation != "explicit":
+        assert session.last_variant.v_guard == (formulation == "online_guarded")
