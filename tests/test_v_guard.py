@@ -34,6 +34,21 @@ def test_clean_cache_runs_unguarded(online_session, rng, seqlen_q):
     assert not variant.v_guard
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_nonfinite_stale_keys_run_unguarded(online_session, rng, poison):
+    """Stale K rows (past seqlen_k) holding NaN or +-Inf, with finite stale V:
+    the unguarded kernel is chosen (the score sentinel and the mask remove
+    those keys), and the results are exact."""
+    lens = [17, 40, 3, 64]
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=4, seqlen_q=2, seqlens_k=lens,
+                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    q[...] = np.abs(q)  # with positive K too, +Inf rows give +Inf scores
+    for b in range(3):
+        k[bt[b, (lens[b] - 1) // 16], lens[b] % 16:] = poison
+    variant = _run(online_session, q, k, v, bt, sk, mask_type="bottom_right", window_size_right=0)
+    assert not variant.v_guard
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_nan_past_seqlen_k_runs_guarded(online_session, rng, num_splits):
     lens = [17, 40, 3, 64]  # 64 fills its last page: no tail there
@@ -43,7 +58,7 @@ def test_nan_past_seqlen_k_runs_guarded(online_session, rng, num_splits):
     last = bt[b, (lens[b] - 1) // 16]
     v[last, lens[b] % 16 :] = np.nan
     k[last, lens[b] % 16 :] = np.inf
-    assert not stale_rows_finite(k, v, bt, sk, np.zeros(4, np.int32), 16)
+    assert not stale_rows_finite(v, bt, sk, np.zeros(4, np.int32), 16)
     variant = _run(online_session, q, k, v, bt, sk, num_splits=num_splits)
     assert variant.v_guard
 
@@ -113,9 +128,9 @@ def test_stale_rows_check_on_torch_caches(rng, poison):
         v[bt[2, 0], 1] = np.nan  # before sequence 2's first key (kv_shift 3)
     elif poison == "visible":
         k[bt[1, 0], 3] = np.nan  # a real key: not a stale row
-    want = stale_rows_finite(k, v, bt, sk, shift, page)
-    assert want == (poison in ("none", "visible"))
-    got = stale_rows_finite(torch.from_numpy(k), torch.from_numpy(v), bt, sk, shift, page, rows_finite=torch_rows_finite)
+    want = stale_rows_finite(v, bt, sk, shift, page)
+    assert want == (poison in ("none", "visible", "k_tail"))  # stale K never matters
+    got = stale_rows_finite(torch.from_numpy(v), bt, sk, shift, page, rows_finite=torch_rows_finite)
     assert got == want
 
 

@@ -175,12 +175,13 @@ def fmha_fwd_paged(
         (default) chooses from batch * nhead_q * query blocks against the
         session's compute_units (ck_tile's heuristic; splits of >= 512
         keys); 1 disables. Not with fp8 q.
-      kv_rows_finite: True promises that every K/V row of the caches is
-        finite (PagedKVCache tracks it), which lets GPU kernels skip the
-        stale-row guard without looking at the caches. None (default) checks
-        the rows that hold no key: in host memory for host caches, on the
-        GPU (a small torch gather and one sync) for torch CUDA caches; IREE
-        DeviceArray caches are assumed unchecked (guarded kernels).
+      kv_rows_finite: True promises that every row of v_cache is finite
+        (PagedKVCache tracks it), which lets GPU kernels skip the stale-row
+        guard without looking at the caches (K rows never matter). None
+        (default) checks the V rows that hold no key: in host memory for
+        host caches, on the GPU (a small torch gather and one sync) for
+        torch CUDA caches; IREE DeviceArray caches are assumed unchecked
+        (guarded kernels).
       return_lse: also return LSE (float32, natural log); -inf for rows with
         no visible key (whose output is 0).
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
@@ -531,16 +532,16 @@ def fmha_fwd_paged(
             lse_b = results.empty((active.size, nhead_q, rows), np.float32)
         else:
             out_b, lse_b = out, lse
-        # Variants without the stale-row guard (GPU) need the K/V rows that
+        # Variants without the stale-row guard (GPU) need the V rows that
         # hold no key to be finite; checking costs a look at one or two pages
         # per sequence.
         # torch device caches are checked on their device; IREE DeviceArrays
         # are not looked at (PagedKVCache passes what it tracks).
         def check_rows():
             if not on_device:
-                return stale_rows_finite(k_cache, v_cache, bt, call.seqlen_k, call.kv_shift, page)
+                return stale_rows_finite(v_cache, bt, call.seqlen_k, call.kv_shift, page)
             if isinstance(k_cache, _TorchDeviceCache):
-                return stale_rows_finite(k_cache.tensor, v_cache.tensor, bt, call.seqlen_k, call.kv_shift, page,
+                return stale_rows_finite(v_cache.tensor, bt, call.seqlen_k, call.kv_shift, page,
                                          rows_finite=torch_rows_finite)
             return False
 

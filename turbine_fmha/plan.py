@@ -308,16 +308,17 @@ def torch_rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
     return bool(torch.isfinite(rows).all())
 
 
-def stale_rows_finite(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
+def stale_rows_finite(v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
                       kv_shift: np.ndarray, page: int, rows_finite=_rows_finite) -> bool:
-    """Whether the K and V rows that a kernel reads but that hold no key are
+    """Whether the V rows that a kernel reads but that hold no key are
     finite, so that a variant without the stale-row guard gives exact
-    results (Variant.v_guard).
+    results (Variant.v_guard). Stale K rows do not matter: the online
+    kernels turn a NaN/+Inf score into a sentinel that the mask removes.
 
     Those rows are the tail of each sequence's last page (past seqlen_k) and,
     with gappy KV, the head of its first page (before kv_shift). Unused
     table slots read the sequence's own first page, or another sequence's
-    for one without keys (fill_unused_slots). Caches are row-major
+    for one without keys (fill_unused_slots). The cache is row-major
     [pages, page, heads, dim]. False when no sequence has a key (every page
     read would then be unchecked). rows_finite(cache, pages, sel) checks
     cache[pages][sel]: numpy by default, torch_rows_finite for torch caches.
@@ -334,10 +335,9 @@ def stale_rows_finite(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.
     tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
     first = block_table[b, 0]
     head = rows < ks[b][:, None]  # rows before the first key (first page)
-    for cache in (k_cache, v_cache):
-        for pages, sel in ((last, tail), (first, head)):
-            if sel.any() and not rows_finite(cache, pages, sel):
-                return False
+    for pages, sel in ((last, tail), (first, head)):
+        if sel.any() and not rows_finite(v_cache, pages, sel):
+            return False
     return True
 
 

@@ -383,7 +383,7 @@ class Session:
         Variant.problem); among static (online) variants, the one that pads
         least, then the one with the fewest launches, then one without the
         stale-row guard, which is allowed only when stale_rows_finite says
-        the K/V rows holding no key are finite (plan.stale_rows_finite)."""
+        the V rows holding no key are finite (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem)
         cands = [
             v for v in self._by_problem.get(_problem_key(problem), [])

@@ -86,12 +86,13 @@ class Variant:
     formulation: str = "explicit"
     # The stale-row guard: zero the value rows that hold no key (the tail of
     # a sequence's last page, the head of its first page with gappy KV)
-    # before the PV product, and drop NaN scores, so that non-finite stale
-    # data cannot reach the output (0 * NaN). It also drops the NaN of a
-    # visible key. Online variants may go without it: the V copy it needs
-    # halved decode speed on the H200, and the runtime uses them only after
-    # checking that those rows are finite (plan.stale_rows_finite); they
-    # then propagate NaN exactly as the reference does.
+    # before the PV product, so that non-finite stale values cannot reach
+    # the output (0 * NaN). (Stale K needs nothing: every online kernel
+    # turns NaN/+Inf scores into a sentinel that the mask removes.) Online
+    # variants may go without it: the V copy it needs halved decode speed
+    # on the H200, and the runtime uses them only after checking that
+    # those rows are finite (plan.stale_rows_finite). Both propagate NaN
+    # exactly as the reference does.
     v_guard: bool = True
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
     batch_tile: int = 0
