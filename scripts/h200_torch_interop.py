@@ -87,24 +87,34 @@ def main() -> int:
         report(label, ms, _err(out[sample], ref), out)
         if isinstance(out, torch.Tensor):
             ok &= out.is_cuda
-    # NaN in the stale rows of one torch cache: found on the GPU, guarded kernel.
+    # NaN in the stale K rows of one torch cache: harmless (the score
+    # sentinel and the mask remove them), so the unguarded kernel runs.
     kt_nan = kt.clone()
     kt_nan[int(bt[3, -1]), page - 2:] = float("nan")
     call = lambda: turbine_fmha.fmha_fwd_paged(qt, kt_nan, vt, bt, sl, session=session, device="cuda")  # noqa: E731
     ms = _timed(call)
     out = call()
-    report("decode b32, torch CUDA caches with NaN stale rows", ms, _err(out[sample], ref), out)
+    report("decode b32, torch CUDA caches with NaN stale K rows", ms, _err(out[sample], ref), out)
+    ok &= not session.last_variant.v_guard and not torch.isnan(out).any().item()
+    # NaN in the stale V rows: found on the GPU, guarded kernel.
+    vt_nan = vt.clone()
+    vt_nan[int(bt[3, -1]), page - 2:] = float("nan")
+    call = lambda: turbine_fmha.fmha_fwd_paged(qt, kt_nan, vt_nan, bt, sl, session=session, device="cuda")  # noqa: E731
+    ms = _timed(call)
+    out = call()
+    report("decode b32, torch CUDA caches with NaN stale K and V rows", ms, _err(out[sample], ref), out)
     ok &= session.last_variant.v_guard and not torch.isnan(out).any().item()
     # The guarded kernel with NaN where the reference propagates it too: in
     # one q row and in one visible key's K; the NaN rows must match exactly.
-    qn, kn = q.copy(), k.copy()
+    qn, kn, vn = q.copy(), k.copy(), v.copy()
     kn[int(bt[3, -1]), page - 2:] = np.nan  # stale, as above
+    vn[int(bt[3, -1]), page - 2:] = np.nan
     qn[5, 0, 7, 0] = np.nan
     kn[int(bt[9, 2]), 3, 1, 0] = np.nan  # key 35 of sequence 9, KV head 1 (query heads 4-7)
-    out = turbine_fmha.fmha_fwd_paged(torch.from_numpy(qn).cuda(), torch.from_numpy(kn).cuda(), vt, bt, sl,
-                                      session=session, device="cuda")
+    out = turbine_fmha.fmha_fwd_paged(torch.from_numpy(qn).cuda(), torch.from_numpy(kn).cuda(),
+                                      torch.from_numpy(vn).cuda(), bt, sl, session=session, device="cuda")
     rows = [3, 5, 9]
-    refn, _ = fmha_fwd_paged_ref(qn[rows], kn, v, bt[rows], sl[rows])
+    refn, _ = fmha_fwd_paged_ref(qn[rows], kn, vn, bt[rows], sl[rows])
     got = torch.isnan(out).cpu().numpy()
     same = np.array_equal(got[rows], np.isnan(refn)) and not got[[i for i in range(b) if i not in rows]].any()
     print(f"guarded kernel, NaN in q and in a visible K: NaN rows as the reference: {same} "
