@@ -319,6 +319,6 @@ def test_available_variants_skips_append_kernels(tmp_path):
     s.append_function(AppendKernel("f16", 2, 64, 64, 16))  # compiled into the cache manifest
     s2 = turbine_fmha.Session("cpu", artifact_dir=tmp_path / "none", compile_missing=True, cache_dir=tmp_path)
     assert "pagedkv_append_f16_h2_d64x64_pg16" in s2._index
-    assert s2.available_variants() == [] or all(isinstance(v, Variant) for v in s2.available_variants())
+    assert all(isinstance(v, Variant) for v in s2.available_variants())  # and no raise
     k = np.zeros((1, 32, 2, 64), np.float16)
     turbine_fmha.fmha_fwd_kvcache(np.zeros((1, 1, 4, 64), np.float16), k, k, np.array([3], np.int32), session=s2)

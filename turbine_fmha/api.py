@@ -190,8 +190,9 @@ def fmha_fwd_paged(
     Returns out, or (out, lse); numpy arrays, or torch tensors on q's device
     when q is a torch tensor. When that device is the session's own
     (Session.torch_device: "cpu", or "cuda:0" for a cuda/hip session), the
-    results are made there: the kernels' output buffers are viewed by torch
-    through DLPack and arranged on the device, never copied to the host;
+    results are made there: the kernels' outputs reach torch on the device
+    (DLPack views, or device copies where the driver does not export them)
+    and are arranged there, never copied to the host;
     q stays there too (padded into tiles by torch), and only the small
     tables are built on the host.
     Non-contiguous inputs are accepted (copied).
@@ -424,9 +425,7 @@ def fmha_fwd_paged(
         raise TypeError(f"kv_rows_finite must be a bool or None, got {type(kv_rows_finite).__name__}")
     if on_device:
         for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if isinstance(a, _TorchDeviceCache):
-                if session.device not in ("cuda", "hip"):
-                    raise ValueError(f"{name} is a torch GPU tensor but the session is for {session.device!r}")
+            if isinstance(a, _TorchDeviceCache):  # its device was checked on entry
                 a.bind(session)
             elif a.array._device is not session.device_of():
                 raise ValueError(f"{name} is a DeviceArray of another device than the session's ({session.device})")
@@ -619,14 +618,14 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
         raise ValueError("v_layout='col' is supported for paged caches only (fmha_fwd_paged)")
     # torch caches stay torch tensors (reshaped as views on their device);
     # everything else becomes numpy.
-    k_np = k_cache if _is_torch(k_cache) else _to_numpy(k_cache, "k_cache")
-    v_np = v_cache if _is_torch(v_cache) else _to_numpy(v_cache, "v_cache")
-    for name, a in (("k_cache", k_np), ("v_cache", v_np)):
+    k_src = k_cache if _is_torch(k_cache) else _to_numpy(k_cache, "k_cache")
+    v_src = v_cache if _is_torch(v_cache) else _to_numpy(v_cache, "v_cache")
+    for name, a in (("k_cache", k_src), ("v_cache", v_src)):
         if a.ndim != 4:
             raise ValueError(f"{name} must have 4 dims [batch_cache, max_seqlen_k, nhead_k, hdim], got shape {a.shape}")
-    if tuple(v_np.shape[:3]) != tuple(k_np.shape[:3]):
-        raise ValueError(f"v_cache shape {v_np.shape} must match k_cache {k_np.shape} in its first 3 dims")
-    batch_cache, max_sk = k_np.shape[:2]
+    if tuple(v_src.shape[:3]) != tuple(k_src.shape[:3]):
+        raise ValueError(f"v_cache shape {v_src.shape} must match k_cache {k_src.shape} in its first 3 dims")
+    batch_cache, max_sk = k_src.shape[:2]
     sk = _int_array(seqlen_k, "seqlen_k", 1)
     batch = sk.shape[0]
     if batch and (sk.max() > max_sk or sk.min() < 0):
@@ -651,7 +650,7 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
         session = kwargs["session"] = default_session(kwargs.get("device", "cpu"))
     served = set() if getattr(session, "compile_missing", True) else {
         v.page_block_size for v in session.available_variants()
-        if v.hdim_q == k_np.shape[3] and v.nhead_k == k_np.shape[2]}
+        if v.hdim_q == k_src.shape[3] and v.nhead_k == k_src.shape[2]}
     page = next((p for p in fits if p in served), fits[0])
     per_row = max(1, max_sk // page)
 
@@ -659,7 +658,7 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
         a = a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
         return a.reshape(batch_cache * per_row, page, *a.shape[2:]) if max_sk else a.reshape(batch_cache, 1, *a.shape[2:])
 
-    k_pages, v_pages = pages_of(k_np), pages_of(v_np)
+    k_pages, v_pages = pages_of(k_src), pages_of(v_src)
     block_table = (rows_idx[:, None] * per_row + np.arange(per_row)[None, :]).astype(np.int32)
     return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 

@@ -61,13 +61,10 @@ def _to_numpy(x, name: str):
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            return t.contiguous().view(torch.int16).numpy().view(_bf16())
-        if "float8" in str(t.dtype):
-            import ml_dtypes
-
-            np_name = str(t.dtype).split(".")[-1]
-            return t.contiguous().view(torch.int8).numpy().view(getattr(ml_dtypes, np_name))
+        if t.dtype == torch.bfloat16 or "float8" in str(t.dtype):
+            # numpy has no such dtype: through the bits, into ml_dtypes'.
+            bits = {1: torch.int8, 2: torch.int16}[t.element_size()]
+            return t.contiguous().view(bits).numpy().view(_torch_np_dtype(t.dtype))
         return t.numpy()
     if isinstance(x, np.ndarray):
         return x
@@ -113,18 +110,15 @@ class _TorchDeviceCache(_DeviceCache):
     zero-copy through DLPack when the call runs (`bind`)."""
 
     def __init__(self, tensor):
-        import torch
-
+        info = _TensorInfo(tensor)
+        self.shape, self.ndim, self.dtype = info.shape, info.ndim, info.dtype
         self.tensor = tensor.detach()
         self.array = None
-        self.shape = tuple(int(d) for d in tensor.shape)
-        self.ndim = len(self.shape)
-        self.dtype = _torch_np_dtype(tensor.dtype)
 
     def bind(self, session):
         import torch
 
-        t = self.tensor if self.tensor.is_contiguous() else self.tensor.contiguous()
+        t = self.tensor
         if "float8" in str(t.dtype):
             t = t.view(torch.int8)  # the kernels take fp8 caches as their bytes
         # The kernels run on IREE's stream: finish torch's writes first.
@@ -179,8 +173,8 @@ class _Results:
         else:
             import torch
 
-            dt = torch.bfloat16 if dtype == _bf16() else getattr(torch, np.dtype(dtype).name)
-            a = torch.empty(shape, dtype=dt, device=self.torch_device)
+            # torch names its dtypes as numpy and ml_dtypes do.
+            a = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.torch_device)
         if fill is not None:
             a[...] = fill
         return a

@@ -24,6 +24,8 @@ import threading
 
 import numpy as np
 
+from .arrays import _DeviceCache, _dtype_name, _fp8_name
+
 
 class CacheFullError(RuntimeError):
     """Not enough free pages for a request; the cache is left unchanged."""
@@ -56,20 +58,16 @@ class PagedKVCache:
         self._lock = threading.Lock()
         self.values_finite = True
         self.session = session
+        self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
         if session is not None:
             import iree.runtime as rt
 
             from .variants import AppendKernel
 
-            from .arrays import _fp8_name
-
             # fp8 pools live on the device as their bytes (int8), like the
             # kernels take them; the append kernel copies bits.
-            self._bits = _fp8_name(dt) is not None
-            name = "i8" if self._bits else {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt)
-            if name is None and dt.name == "bfloat16":
-                name = "bf16"
+            name = "i8" if self._bits else _dtype_name(dt)
             if name is None:
                 raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
             self._append_fn = session.append_function(
@@ -202,8 +200,6 @@ class PagedKVCache:
             kwargs.setdefault("session", self.session)
             kwargs.setdefault("device", self.session.device)
         if self.k_dev is not None:
-            from .arrays import _DeviceCache
-
             # The device arrays with the pool's own dtype (fp8 pools are
             # int8 there).
             k, v = _DeviceCache(self.k_dev, self.k.dtype), _DeviceCache(self.v_dev, self.v.dtype)
@@ -213,7 +209,7 @@ class PagedKVCache:
         return fmha_fwd_paged(q, k, v, bt, sk, **kwargs)
 
     def _raw(self, a: np.ndarray) -> np.ndarray:
-        return a.view(np.int8) if getattr(self, "_bits", False) else a
+        return a.view(np.int8) if self._bits else a
 
     def gather(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's K and V as contiguous [seqlen, nhead_k, hdim]

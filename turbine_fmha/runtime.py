@@ -256,8 +256,6 @@ class Session:
         copy) on a CPU session, or None where that is not possible (GPU
         sessions, dtypes without an IREE element type). The array must stay
         alive and unchanged while calls use it."""
-        import numpy as np
-
         # The kernels assume 64-byte aligned bindings (aligned vector loads):
         # importing a less aligned array crashes them, so copy those.
         if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % 64:
@@ -364,8 +362,8 @@ class Session:
         torch memory."""
         import torch
 
-        names = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-        out = [torch.empty(tuple(a.shape), dtype=names[np.dtype(a.dtype).name], device=self.torch_device)
+        # torch names its dtypes as numpy and ml_dtypes do.
+        out = [torch.empty(tuple(a.shape), dtype=getattr(torch, np.dtype(a.dtype).name), device=self.torch_device)
                for a in arrays]
         if out and out[0].is_cuda:
             torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
