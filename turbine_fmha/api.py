@@ -29,6 +29,7 @@ from .arrays import (
     _TorchDeviceCache,
     _to_numpy,
     _torch_np_dtype,
+    kernel_host_array,
 )
 from .plan import (
     KernelCall,
@@ -516,13 +517,13 @@ def fmha_fwd_paged(
         if on_device:
             kc, vc = k_cache.array, v_cache.array
         else:
-            kc = np.ascontiguousarray(k_cache)
-            vc = np.ascontiguousarray(v_cache)
-        if kv_fp8 and not on_device:  # the kernels take fp8 caches as i8 and decode them
-            kc, vc = kc.view(np.int8), vc.view(np.int8)
-        if not on_device:
-            # CPU sessions read host caches in place instead of copying the
-            # whole pool into IREE buffers on every call.
+            # CPU sessions read host caches in place (a strided view is
+            # copied once, aligned, and read in place too) instead of IREE
+            # uploading the whole pool on every call. The imported buffer
+            # holds its source array, so a copy lives as long as the buffer.
+            kc, vc = kernel_host_array(k_cache), kernel_host_array(v_cache)
+            if kv_fp8:  # the kernels take fp8 caches as i8 and decode them
+                kc, vc = kc.view(np.int8), vc.view(np.int8)
             kc_d, vc_d = session.import_host(kc), session.import_host(vc)
             if kc_d is not None and vc_d is not None:
                 kc, vc = kc_d, vc_d

@@ -49,6 +49,28 @@ def _fp8_max(dt: np.dtype) -> float:
     return float(ml_dtypes.finfo(dt).max)
 
 
+def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
+    """np.empty whose data starts on an `alignment`-byte boundary (numpy
+    gives 16): CPU kernels assume 64-byte aligned bindings, so only such
+    arrays can be handed to them without a copy (Session.import_host). The
+    result is a view that keeps its backing buffer alive."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + n].view(dtype).reshape(shape)
+
+
+def kernel_host_array(a: np.ndarray) -> np.ndarray:
+    """`a` itself when a CPU kernel can read it in place (C-contiguous,
+    64-byte aligned), else an aligned C-contiguous copy."""
+    if a.flags.c_contiguous and a.ctypes.data % 64 == 0:
+        return a
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
 def _is_torch(x) -> bool:
     t = type(x)
     return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")

@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from .arrays import _DeviceCache, _dtype_name, _fp8_name
+from .arrays import _DeviceCache, _dtype_name, _fp8_name, aligned_empty
 
 
 class CacheFullError(RuntimeError):
@@ -240,10 +240,7 @@ def _dtype(d) -> np.dtype:
 
 
 def aligned_zeros(shape, dtype, alignment: int = 64) -> np.ndarray:
-    """np.zeros whose data starts on an `alignment`-byte boundary (numpy
-    gives 16): such arrays can be handed to CPU kernels without a copy."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(n + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + n].view(dtype).reshape(shape)
+    """np.zeros on an `alignment`-byte boundary (see arrays.aligned_empty)."""
+    a = aligned_empty(shape, dtype, alignment)
+    a[...] = 0
+    return a

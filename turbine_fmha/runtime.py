@@ -254,8 +254,9 @@ class Session:
     def import_host(self, array):
         """A DeviceArray over a C-contiguous numpy array's own memory (no
         copy) on a CPU session, or None where that is not possible (GPU
-        sessions, dtypes without an IREE element type). The array must stay
-        alive and unchanged while calls use it."""
+        sessions, dtypes without an IREE element type). The result holds a
+        reference to `array`; the array must stay unchanged while calls use
+        it."""
         # The kernels assume 64-byte aligned bindings (aligned vector loads):
         # importing a less aligned array crashes them, so copy those.
         if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % 64:
@@ -277,7 +278,13 @@ class Session:
                 array, rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE, rt.BufferUsage.DEFAULT)
         except Exception:  # e.g. an alignment the allocator refuses: copy instead
             return None
-        return rt.DeviceArray(device, rt.HalBufferView(buf, list(array.shape), et))
+        imported = rt.DeviceArray(device, rt.HalBufferView(buf, list(array.shape), et))
+        # The buffer is the array's memory: the DeviceArray owns a reference
+        # to it, so the memory lives as long as anything can reach the buffer
+        # (a caller dropping its copy early once made kernels read freed
+        # memory).
+        imported._host_keepalive = array
+        return imported
 
     @property
     def last_variant(self) -> Variant | None:
