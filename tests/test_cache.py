@@ -185,3 +185,76 @@ def test_device_resident_pool(explicit_session, rng, dtype):
         turbine_fmha.fmha_fwd_paged(q, cache.k_dev, cache.v, bt, sk, session=explicit_session)
     with pytest.raises(TypeError, match="kv_rows_finite"):
         turbine_fmha.fmha_fwd_paged(q, cache.k, cache.v, bt, sk, kv_rows_finite=1, session=explicit_session)
+
+
+def _state(cache, seqs):
+    return (cache.k.copy(), cache.v.copy(), cache.num_free_pages,
+            {s: (cache.pages(s), cache.seqlen(s)) for s in seqs}, cache.values_finite)
+
+
+def _assert_state(cache, seqs, before):
+    after = _state(cache, seqs)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    assert after[2:] == before[2:]
+
+
+def test_a_freed_request_cannot_poison_the_next(online_session, rng):
+    """Issue 12 item 1: request A stores a V row that is finite as given
+    (float32 7e4) but +Inf in the f16 pool, then finishes; request B reuses
+    its page, whose stale rows still hold A's +Inf. The cache used to judge
+    finiteness from the caller's float32 array, so B ran on the kernel
+    without the stale-row guard and got an all-NaN output."""
+    cache = PagedKVCache(4, 16, HK, D, "f16")
+    a = cache.allocate()
+    k_a, v_a = _tokens(rng, 6)
+    v_a[4] = 7e4  # rounds to +Inf in float16
+    cache.append(a, k_a, v_a)
+    assert not cache.values_finite, "the cache claims finite values but stores +Inf"
+    page_a = cache.pages(a)[0]
+    cache.free(a)
+    b = cache.allocate()
+    k_b, v_b = _tokens(rng, 3)
+    cache.append(b, k_b, v_b)
+    assert cache.pages(b) == [page_a]  # B's rows 3.. are A's, +Inf among them
+    q = rng.standard_normal((1, 1, 4, D)).astype(np.float16)
+    out = cache.attend(q, [b], session=online_session)
+    kb, vb = cache.gather(b)
+    ref, _ = fmha_fwd_paged_ref(q, kb[None], vb[None], np.zeros((1, 1), np.int32), np.array([3], np.int32))
+    assert np.isfinite(out).all(), "another request's data changed this output"
+    assert np.abs(out.astype(np.float64) - ref).max() <= 5e-3 * np.abs(ref).max()  # conftest OUT_TOL f16
+    # Once B's own rows cover A's, the pool is finite again.
+    cache.append(b, *_tokens(rng, 13))
+    assert cache.values_finite
+
+
+def test_append_failures_change_nothing(explicit_session, rng):
+    """Issue 12 item 8: an append that fails (an uncastable K, or the device
+    write itself) leaves pages, lengths and both pools as they were."""
+    cache = PagedKVCache(6, 4, HK, D, "f32", session=explicit_session)
+    a = cache.allocate()
+    cache.append(a, *_tokens(rng, 6))
+    b = cache.fork(a)  # the next append of b copies the shared last page
+    before = _state(cache, [a, b])
+    dev_before = cache.k_dev.to_host().copy(), cache.v_dev.to_host().copy()
+    k, v = _tokens(rng, 5)
+    with pytest.raises(TypeError, match="k_new"):
+        cache.append(b, np.full((5, HK, D), "x"), v)
+    with pytest.raises(TypeError, match="v_new"):
+        cache.append(b, k, v.astype(np.complex64))
+    _assert_state(cache, [a, b], before)
+
+    def broken(*args):
+        raise RuntimeError("device write failed")
+
+    good, cache._append_fn = cache._append_fn, broken
+    with pytest.raises(RuntimeError, match="device write failed"):
+        cache.append(b, k, v)
+    _assert_state(cache, [a, b], before)
+    np.testing.assert_array_equal(cache.k_dev.to_host(), dev_before[0])
+    np.testing.assert_array_equal(cache.v_dev.to_host(), dev_before[1])
+    cache._append_fn = good
+    cache.append(b, k, v)  # and the cache still works
+    kb, vb = cache.gather(b)
+    np.testing.assert_array_equal(kb[6:], k)
+    np.testing.assert_array_equal(cache.k_dev.to_host(), cache.k)

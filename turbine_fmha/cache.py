@@ -5,9 +5,10 @@ shares every page of the parent, reference counted, and copies the shared
 last page only when it writes into it), and are freed. `batch` turns a list
 of sequences into the block table and seqlen_k that `fmha_fwd_paged` takes.
 
-The pool is zero-initialized, so rows that hold no token are finite, and
-the cache tracks whether every K/V row ever appended was finite: then the
-GPU kernels without the stale-row guard can serve it (fmha_fwd_paged's
+The pool is zero-initialized, and the cache tracks which pages hold a
+non-finite V row, as stored (after the cast to the pool's dtype) and for as
+long as the page holds it, freed pages included: while none does, the GPU
+kernels without the stale-row guard can serve it (fmha_fwd_paged's
 kv_rows_finite).
 
 With a `session`, the pool also lives on that session's device (IREE device
@@ -56,7 +57,7 @@ class PagedKVCache:
         self._lens: dict[int, int] = {}
         self._next_id = 0
         self._lock = threading.Lock()
-        self.values_finite = True
+        self._v_bad = np.zeros(num_pages, bool)  # pages holding a non-finite V row
         self.session = session
         self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
@@ -123,18 +124,19 @@ class PagedKVCache:
 
     def append(self, seq: int, k_new, v_new) -> None:
         """Writes tokens' K [n, nhead_k, hdim] and V [n, nhead_k, hdim_v] at
-        the end of `seq`. Raises CacheFullError, changing nothing, when the
-        free pages do not suffice (a shared last page counts one extra: it
-        is copied before it is written)."""
-        k_new, v_new = np.asarray(k_new), np.asarray(v_new)
-        if k_new.ndim != 3 or k_new.shape[1:] != self.k.shape[2:]:
-            raise ValueError(f"k_new must have shape [n, {self.k.shape[2]}, {self.k.shape[3]}], got {k_new.shape}")
-        if v_new.shape != (k_new.shape[0],) + self.v.shape[2:]:
-            raise ValueError(f"v_new must have shape [{k_new.shape[0]}, {self.v.shape[2]}, {self.v.shape[3]}], got {v_new.shape}")
+        the end of `seq`. Raises CacheFullError when the free pages do not
+        suffice (a shared last page counts one extra: it is copied before it
+        is written). Any error leaves the cache exactly as it was: the
+        arguments are checked and converted before anything changes, and
+        the bookkeeping is committed only after the device write."""
+        k_new = self._rows_arg(k_new, "k_new", self.k)
+        v_new = self._rows_arg(v_new, "v_new", self.v)
+        if v_new.shape[0] != k_new.shape[0]:
+            raise ValueError(f"v_new has {v_new.shape[0]} rows but k_new has {k_new.shape[0]}")
         n = k_new.shape[0]
         page = self.page_block_size
         with self._lock:
-            pages = self._get(seq)
+            pages = list(self._get(seq))
             length = self._lens[seq]
             fill = length % page  # rows used in the last page (0: full or none)
             cow = fill > 0 and n > 0 and self._refs[pages[-1]] > 1
@@ -143,38 +145,54 @@ class PagedKVCache:
                 raise CacheFullError(
                     f"sequence {seq} needs {need} free pages for {n} tokens, {len(self._free)} are free"
                 )
-            first = length  # first position to write on the device
+            taken = self._free[len(self._free) - need:][::-1]  # the pages pop() would give, in order
+            shared = pages[-1] if cow else None
             if cow:
-                # Copy on write: the shared last page stays with the others.
-                new = self._free.pop()
-                self.k[new, :fill] = self.k[pages[-1], :fill]
-                self.v[new, :fill] = self.v[pages[-1], :fill]
-                self._refs[pages[-1]] -= 1
-                self._refs[new] = 1
-                pages[-1] = new
-                first = length - fill
-            while len(pages) * page < length + n:
-                p = self._free.pop()
-                self._refs[p] = 1
-                pages.append(p)
-            pos = length + np.arange(n)
+                pages[-1] = taken[0]
+            pages += taken[int(cow):]
+            first = length - fill if cow else length  # first row to write
+            pos = np.arange(first, length + n)
             rows_p = np.asarray(pages, np.int64)[pos // page]
-            self.k[rows_p, pos % page] = k_new
-            self.v[rows_p, pos % page] = v_new
+            k_rows, v_rows = k_new, v_new
+            if cow:  # the shared page's rows, then the new ones
+                k_rows = np.concatenate([self.k[shared, :fill], k_new])
+                v_rows = np.concatenate([self.v[shared, :fill], v_new])
+            if self.k_dev is not None and pos.size:
+                slots = np.stack([rows_p, pos % page], axis=1).astype(np.int32)
+                self._append_fn(self._raw(np.ascontiguousarray(k_rows)), self._raw(np.ascontiguousarray(v_rows)),
+                                slots, self.k_dev, self.v_dev)
+            # Commit: nothing below can fail.
+            self.k[rows_p, pos % page] = k_rows
+            self.v[rows_p, pos % page] = v_rows
+            del self._free[len(self._free) - need:]
+            if cow:
+                self._refs[shared] -= 1
+            self._refs[taken] = 1
+            self._pages[seq] = pages
             self._lens[seq] = length + n
-            # Only V matters to the kernels without the stale-row guard
-            # (plan.stale_rows_finite).
-            if n and not np.isfinite(np.asarray(v_new, np.float32)).all():
-                self.values_finite = False
-            if self.k_dev is not None and length + n > first:
-                # The rows written above (and the copied ones), from the
-                # mirror, into the device pool in place.
-                pos = np.arange(first, length + n)
-                slot_p = np.asarray(pages, np.int64)[pos // page]
-                slots = np.stack([slot_p, pos % page], axis=1).astype(np.int32)
-                self._append_fn(self._raw(np.ascontiguousarray(self.k[slot_p, pos % page])),
-                                self._raw(np.ascontiguousarray(self.v[slot_p, pos % page])), slots,
-                                self.k_dev, self.v_dev)
+            # What the pool holds decides whether kernels without the
+            # stale-row guard may read it (only V rows matter:
+            # plan.stale_rows_finite): a value that became Inf when stored
+            # in the pool's dtype counts, and so does whatever a freed page
+            # still holds when another sequence reuses it.
+            for p in np.unique(rows_p):
+                self._v_bad[p] = not np.isfinite(self.v[p].astype(np.float32)).all()
+
+    @property
+    def values_finite(self) -> bool:
+        """Whether every V row of the pool is finite (fmha_fwd_paged's
+        kv_rows_finite): a fact about the stored rows, rows of freed pages
+        included."""
+        return not self._v_bad.any()
+
+    def _rows_arg(self, x, name: str, pool: np.ndarray) -> np.ndarray:
+        a = np.asarray(x)
+        if a.ndim != 3 or a.shape[1:] != pool.shape[2:]:
+            raise ValueError(f"{name} must have shape [n, {pool.shape[2]}, {pool.shape[3]}], got {a.shape}")
+        real = np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
+        if not (real or a.dtype == pool.dtype or a.dtype.name == "bfloat16" or "float8" in a.dtype.name):
+            raise TypeError(f"{name} must be a real-valued (float or int) array, got {a.dtype}")
+        return a.astype(pool.dtype, copy=False)
 
     # -- batches -------------------------------------------------------------
 
