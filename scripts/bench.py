@@ -177,7 +177,7 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     last = []
     rows = shape["seqlen_q"]
     o_parts = np.empty((nb, rows, HQ, D), q.dtype)
-    l_parts = np.empty((nb, HQ, rows), np.float32)
+    stats = [np.empty((nb, HQ, rows), np.float32) for _ in range(3)]
 
     def run():
         last.clear()
@@ -190,8 +190,8 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
                 res[0].to_host()
             return
         for res, place in zip(last, places):
-            place(o_parts, l_parts, res[0].to_host(), res[1].to_host())
-        combine_splits(o_parts, l_parts, num_splits, kw.get("sinks"))
+            place((o_parts, *stats), [r.to_host() for r in res])
+        combine_splits(o_parts, *stats, num_splits, kw.get("sinks"))
 
     ms = median_ms(run, repeat, sync=sync)
     api_ms = float("nan")

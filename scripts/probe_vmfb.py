@@ -74,7 +74,7 @@ def main() -> int:
         lse = np.empty((b, HQ, sq), np.float32)
         run()
         for r, place in zip(last, places):
-            place(out, lse, r[0].to_host(), r[1].to_host())
+            place((out, lse), [r[0].to_host(), r[1].to_host()])
         err = float(np.abs(out[sample].astype(np.float64) - ref).max() / np.abs(ref).max())
         print(f"{Path(path).name}: {ms:.3f} ms, rel err {err:.2e}", flush=True)
     return 0

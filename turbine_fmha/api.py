@@ -557,7 +557,7 @@ def fmha_fwd_paged(
         # a mask). ALiBi keeps the mask (its causal form differs).
         maskless_decode = mask_type == "bottom_right" and left < 0 and slopes is None and rows == 1
 
-        def run(c: KernelCall, prob: dict, out_k, lse_k):
+        def run(c: KernelCall, prob: dict, *dst):
             # The variant is chosen for the bias layout the call really
             # passes (gappy KV and split-KV re-lay it out per entry).
             prob = dict(prob, bias_shape=bias_shape_of(c.bias))
@@ -565,8 +565,7 @@ def fmha_fwd_paged(
                 prob["mask"] = "none"
             variant = session.select(prob, rows, c.q.shape[0], rows_finite)
             for args, place in plan_calls(variant, c):
-                o, l = results.run(variant, args[0], kc, vc, *args[1:])
-                place(out_k, lse_k, o, l)
+                place(dst, results.run(variant, args[0], kc, vc, *args[1:], stats=len(dst) > 2))
 
         if num_splits is None:
             keys = int(seqlen_k[active].max())
@@ -585,9 +584,9 @@ def fmha_fwd_paged(
             # merged by their LSEs.
             parts = split_kv(call, page, splits)
             o_parts = results.empty((parts.q.shape[0], rows, nhead_q, hdim_v), q.dtype)
-            l_parts = results.empty((parts.q.shape[0], nhead_q, rows), np.float32)
-            run(parts, dict(problem, sinks=False), o_parts, l_parts)
-            o_c, l_c = results.combine(o_parts, l_parts, splits, sinks_a)
+            stats = [results.empty((parts.q.shape[0], nhead_q, rows), np.float32) for _ in range(3)]
+            run(parts, dict(problem, sinks=False), o_parts, *stats)
+            o_c, l_c = results.combine(o_parts, *stats, splits, sinks_a)
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
         if group:

@@ -201,9 +201,9 @@ class _Results:
             a[...] = fill
         return a
 
-    def run(self, variant, *args):
+    def run(self, variant, *args, stats=False):
         if self.torch_device is None:
-            return self.session.run_variant(variant, *args)
+            return self.session.run_variant(variant, *args, stats=stats)
         if self.torch_device.type == "cpu":
             args = [_to_numpy(a, "q") if _is_torch(a) else a for a in args]
         else:
@@ -218,8 +218,7 @@ class _Results:
                 a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True))
                 for a in args]
             torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
-        o, l = self.session.run_variant(variant, *args, on_device=True)
-        return self.session.to_torch(o, l)
+        return self.session.to_torch(*self.session.run_variant(variant, *args, on_device=True, stats=stats))
 
     def index(self, a: np.ndarray):
         """An integer index array where this call's arrays live."""
@@ -229,10 +228,10 @@ class _Results:
 
         return torch.as_tensor(a, device=self.torch_device)
 
-    def combine(self, o, l, n, sinks):
+    def combine(self, o, lse, m, l, n, sinks):
         if self.torch_device is None:
-            return combine_splits(o, l, n, sinks)
-        return combine_splits_torch(o, l, n, sinks)
+            return combine_splits(o, lse, m, l, n, sinks)
+        return combine_splits_torch(o, lse, m, l, n, sinks)
 
 
 def _numpy_to_torch(a: np.ndarray):

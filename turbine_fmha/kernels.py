@@ -82,6 +82,10 @@ _SIGNATURE_ARGS = (
     "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout, str kv_dtype, "
     "int v_guard"
 )
+# Results: out [b, rows, hq, dv], then [b, hq, rows] f32 each: LSE, the row
+# max score and the row sum of exp(score - max) (the split-KV merge's
+# weights; see the templates' split_stats).
+_RESULTS = "(Tensor, Tensor, Tensor, Tensor)"
 _N_FIXED = 9  # tensors every variant takes
 _OPTIONAL = (9, 10, 11)  # alibi_slopes, bias, sinks
 
@@ -125,7 +129,7 @@ class _PagedKVFwd(CustomOp):
         b, sq, hq, _ = q.t.shape
         dv = vc.t.shape[2] if ksel.arg_descs[14].v == "col" else vc.t.shape[3]
         out = ksel.return_new_tensor([b, sq, hq, dv], q.t.dtype)
-        lse = ksel.return_new_tensor([b, hq, sq], torch.float32)
+        stats = [ksel.return_new_tensor([b, hq, sq], torch.float32) for _ in range(3)]
         if self.static_rows:
             q.specialize_dims(0, 1)
             bt.specialize_dims(0)
@@ -136,10 +140,12 @@ class _PagedKVFwd(CustomOp):
             if bias is not None:
                 bias.specialize_dims(0, 1, 2)
             out.specialize_all_dims()
-            lse.specialize_all_dims()
+            for r in stats:
+                r.specialize_all_dims()
         else:
             out.specialize_dims(2, 3)
-            lse.specialize_dims(1)
+            for r in stats:
+                r.specialize_dims(1)
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         q, kc, vc = (ksel.arg_descs[i].t for i in range(3))
@@ -192,14 +198,14 @@ class PagedKVFwdExplicit(_PagedKVFwd):
     """QK^T contraction, masked softmax pieces and PV contraction (CPU)."""
 
     template = "pagedkv_fwd_explicit"
-    signature = f"turbine_fmha_pagedkv_fwd_explicit({_SIGNATURE_ARGS}) -> (Tensor, Tensor)"
+    signature = f"turbine_fmha_pagedkv_fwd_explicit({_SIGNATURE_ARGS}) -> {_RESULTS}"
 
 
 class PagedKVFwdOnline(_PagedKVFwd):
     """Fused gather + iree_linalg_ext.online_attention (GPU; runs on CPU too)."""
 
     template = "pagedkv_fwd_online"
-    signature = f"turbine_fmha_pagedkv_fwd_online({_SIGNATURE_ARGS}) -> (Tensor, Tensor)"
+    signature = f"turbine_fmha_pagedkv_fwd_online({_SIGNATURE_ARGS}) -> {_RESULTS}"
     static_rows = True
 
 

@@ -55,8 +55,9 @@ def plan_calls(variant: Variant, c: KernelCall):
 
     Yields (args, place): args are the kernel arguments without the caches
     (q, block_table, seqlen_q, seqlen_k, kv_shift, fparams, iparams, then
-    alibi_slopes / bias / sinks where the variant has them), and place(out, lse, o, l) copies a
-    call's results into the full outputs. Explicit variants chunk query rows
+    alibi_slopes / bias / sinks where the variant has them), and place(dst,
+    res) copies a call's results (out, then the [batch, heads, rows] ones:
+    LSE, and the row max and sum where asked for) into the full ones. Explicit variants chunk query rows
     to bound the score tile; static (online) variants pad the batch (seqlen_k
     0, page 0) and query rows (zeros; their outputs are dropped) up to the
     variant's tiles.
@@ -111,9 +112,10 @@ def plan_calls(variant: Variant, c: KernelCall):
         for s in range(0, rows, chunk):
             e = min(rows, s + chunk)
 
-            def place(out, lse, o, l, s=s, e=e):
-                out[:, s:e] = o
-                lse[:, :, s:e] = l
+            def place(dst, res, s=s, e=e):
+                dst[0][:, s:e] = res[0]
+                for d, r in zip(dst[1:], res[1:]):
+                    d[:, :, s:e] = r
 
             bt_s, nk_s = table(0, batch, s, e, bt)
             args = [_contiguous(q[:, s:e]), bt_s, sq, sk, ks, fparams, iparams(s)]
@@ -131,9 +133,10 @@ def plan_calls(variant: Variant, c: KernelCall):
             e = min(rows, s + mq)
             q_pad = _pad_axis(_pad_rows(q[b0:b1, s:e], bt_t), 1, mq)
 
-            def place(out, lse, o, l, b0=b0, b1=b1, nb=nb, s=s, e=e):
-                out[b0:b1, s:e] = o[:nb, : e - s]
-                lse[b0:b1, :, s:e] = l[:nb, :, : e - s]
+            def place(dst, res, b0=b0, b1=b1, nb=nb, s=s, e=e):
+                dst[0][b0:b1, s:e] = res[0][:nb, : e - s]
+                for d, r in zip(dst[1:], res[1:]):
+                    d[b0:b1, :, s:e] = r[:nb, :, : e - s]
 
             bt_s, nk_s = table(b0, b1, s, e, bt_pad)
             args = [q_pad, bt_s, sq_pad, sk_pad, ks_pad, fparams, iparams(s)]
@@ -250,50 +253,61 @@ def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
     )
 
 
-def combine_splits(o: np.ndarray, l: np.ndarray, n: int, sinks: np.ndarray | None):
-    """Merges the partial results of split_kv (o [batch * n, rows, hq, dv],
-    l [batch * n, hq, rows]) by their LSEs in f32, adding the sinks once.
-    Returns (out f32 [batch, rows, hq, dv], lse f32 [batch, hq, rows])."""
+def combine_splits(o: np.ndarray, lse: np.ndarray, m: np.ndarray, l: np.ndarray, n: int,
+                   sinks: np.ndarray | None):
+    """Merges the partial results of split_kv (o [batch * n, rows, hq, dv];
+    lse, row max m and row sum l [batch * n, hq, rows]) in f32, adding the
+    sinks once. Split j weighs l_j * exp(m_j - M), M the largest max: the
+    sums and maxes stay exact where an f32 LSE would not (|m| ~ 1e6 leaves
+    it no room for log(sum)). A NaN partial makes the row NaN. Returns (out
+    f32 [batch, rows, hq, dv], lse f32 [batch, hq, rows])."""
     bn, rows, hq, dv = o.shape
     o = o.reshape(bn // n, n, rows, hq, dv).astype(np.float32)
-    l = l.reshape(bn // n, n, hq, rows)
-    m = l.max(axis=1)
-    m0 = np.where(np.isfinite(m), m, 0.0).astype(np.float32)
-    w = np.exp(l - m0[:, None])  # a split without visible keys weighs 0
+    lse, m, l = (x.reshape(bn // n, n, hq, rows) for x in (lse, m, l))
+    some = l > 0  # splits that saw a key
+    top = np.where(some, m, -np.inf).max(axis=1)
+    top = np.where(np.isfinite(top), top, 0.0).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = np.where(some, l * np.exp(np.where(some, m, 0.0) - top[:, None]), 0.0).astype(np.float32)
     tot = w.sum(axis=1)
-    with np.errstate(divide="ignore"):
-        lse = np.where(tot > 0, m0 + np.log(np.where(tot > 0, tot, 1.0)), -np.inf).astype(np.float32)
-    wn = w / np.where(tot > 0, tot, 1.0)[:, None]
-    out = np.einsum("bjhr,bjrhd->brhd", wn, o).astype(np.float32)
+    den = tot if sinks is None else tot + np.exp(sinks.astype(np.float32)[None, :, None] - top)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.einsum("bjhr,bjrhd->brhd", w / np.where(den > 0, den, 1.0)[:, None], o).astype(np.float32)
+        lse_out = np.where(tot > 0, top + np.log(np.where(tot > 0, tot, 1.0)), -np.inf).astype(np.float32)
     if sinks is not None:
-        lse_s = np.logaddexp(lse, sinks.astype(np.float32)[None, :, None])
-        out *= np.exp(lse - lse_s).transpose(0, 2, 1)[..., None]
-        lse = lse_s
-    return out, lse
+        lse_out = np.logaddexp(lse_out, sinks.astype(np.float32)[None, :, None]).astype(np.float32)
+    nan = np.isnan(lse).any(axis=1)
+    out[nan.transpose(0, 2, 1)] = np.nan
+    lse_out[nan] = np.nan
+    return out, lse_out
 
 
-def combine_splits_torch(o, l, n: int, sinks: np.ndarray | None):
+def combine_splits_torch(o, lse, m, l, n: int, sinks: np.ndarray | None):
     """combine_splits for torch tensors, on their device (the same f32
     arithmetic), so device-resident results never visit the host."""
     import torch
 
     bn, rows, hq, dv = o.shape
     o = o.reshape(bn // n, n, rows, hq, dv).float()
-    l = l.reshape(bn // n, n, hq, rows)
-    m = l.amax(dim=1)
-    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(l - m0[:, None])  # a split without visible keys weighs 0
+    lse, m, l = (x.reshape(bn // n, n, hq, rows) for x in (lse, m, l))
+    some = l > 0
+    top = torch.where(some, m, torch.full_like(m, -math.inf)).amax(dim=1)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.where(some, l * torch.exp(torch.where(some, m, torch.zeros_like(m)) - top[:, None]), torch.zeros_like(l))
     tot = w.sum(dim=1)
-    some = tot > 0
-    safe = torch.where(some, tot, torch.ones_like(tot))
-    lse = torch.where(some, m0 + torch.log(safe), torch.full_like(tot, -math.inf))
-    out = torch.einsum("bjhr,bjrhd->brhd", w / safe[:, None], o)
+    den = tot
     if sinks is not None:
-        s = torch.as_tensor(sinks, dtype=torch.float32, device=lse.device)[None, :, None]
-        lse_s = torch.logaddexp(lse, s.expand_as(lse))
-        out = out * torch.exp(lse - lse_s).permute(0, 2, 1)[..., None]
-        lse = lse_s
-    return out, lse
+        s = torch.as_tensor(sinks, dtype=torch.float32, device=tot.device)[None, :, None].expand_as(tot)
+        den = tot + torch.exp(s - top)
+    out = torch.einsum("bjhr,bjrhd->brhd", w / torch.where(den > 0, den, torch.ones_like(den))[:, None], o)
+    pos = tot > 0
+    lse_out = torch.where(pos, top + torch.log(torch.where(pos, tot, torch.ones_like(tot))), torch.full_like(tot, -math.inf))
+    if sinks is not None:
+        lse_out = torch.logaddexp(lse_out, s)
+    nan = torch.isnan(lse).any(dim=1)
+    out = out.masked_fill(nan.permute(0, 2, 1)[..., None], math.nan)
+    lse_out = lse_out.masked_fill(nan, math.nan)
+    return out, lse_out
 
 
 def _rows_finite(cache: np.ndarray, pages: np.ndarray, sel: np.ndarray) -> bool:

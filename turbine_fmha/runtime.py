@@ -304,18 +304,20 @@ class Session:
                 )
             return self._executor.submit(fn, *args, **kwargs)
 
-    def run_variant(self, variant: Variant, *args, on_device: bool = False):
+    def run_variant(self, variant: Variant, *args, on_device: bool = False, stats: bool = False):
         """One kernel call on validated, contiguous numpy arguments, in the
-        kernel's order (see turbine_fmha.api.plan_calls). Returns (out, lse)
-        as numpy arrays, or as the session device's DeviceArrays with
-        on_device=True (see to_torch)."""
+        kernel's order (see turbine_fmha.plan.plan_calls). Returns (out,
+        lse), plus each row's max score and sum with stats=True (what the
+        split-KV merge needs), as numpy arrays, or as the session device's
+        DeviceArrays with on_device=True (see to_torch)."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
-        res = loaded.function(*args)
+        res = tuple(loaded.function(*args))[: 4 if stats else 2]
         if on_device:
-            return tuple(res)
-        out, lse = (r.to_host() for r in res)
-        return out, lse
+            return res
+        # Only the results asked for are copied (a copy back from a GPU
+        # costs ~0.2 ms however small).
+        return tuple(r.to_host() for r in res)
 
     @property
     def torch_device(self) -> str:

@@ -38,7 +38,7 @@ KV_DTYPES = FP8_DTYPES
 # The kernels' argument list version. Artifacts built for another one are
 # never loaded (the runtime cannot see template changes otherwise). Bump it
 # whenever a template's signature changes.
-KERNEL_ABI = 5
+KERNEL_ABI = 6
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
