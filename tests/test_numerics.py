@@ -182,3 +182,24 @@ def test_large_finite_bias_on_every_key(explicit_session, online_session, rng, f
         out = turbine_fmha.fmha_fwd_paged(*prob, bias=bias, num_splits=splits, session=session)
         err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
         assert err <= OUT_TOL["f16"], f"splits={splits}: output rel err {err:.3e}"
+
+
+def test_nan_key_under_large_negative_bias_stays_nan(online_session, rng):
+    """The online kernels replace a NaN score by a sentinel and make rows
+    whose max is the sentinel NaN. A bias of -1e30 once pulled a 1e30
+    sentinel under the NaN limit: the NaN key then counted as an ordinary
+    one and the row came out finite where the reference is NaN."""
+    import numpy as np
+
+    import turbine_fmha
+    from conftest import make_problem
+    from turbine_fmha.reference import fmha_fwd_paged_ref
+
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 21],
+                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    k[bt[0, 1], 3, 0, 5] = np.nan  # key 19 of sequence 0, KV head 0
+    bias = np.full((1, 1, 1, 48), -1e30, np.float32)
+    out = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, bias=bias, session=online_session)
+    ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk, bias=bias)
+    assert np.isnan(ref[0, :, :4]).all() and not np.isnan(ref[1]).any()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
