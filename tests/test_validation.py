@@ -61,7 +61,32 @@ BAD = {
     "return_lse_int": (lambda p: (*p[:5], dict(return_lse=1)), TypeError, ["return_lse"]),
     "device": (lambda p: (*p[:5], dict(device="tpu")), ValueError, ["device"]),
     "q_list": (lambda p: (p[0].tolist(), *p[1:]), TypeError, ["q", "numpy"]),
+    # Issue 12: each of these used to pass validation and then fail (or
+    # give NaN) later.
+    "nhead_q_zero": (lambda p: (p[0][:, :, :0], *p[1:]), ValueError, ["nhead_q"]),
+    "scale_overflows_f32": (lambda p: (*p[:5], dict(scale=1e39)), ValueError, ["scale", "float32"]),
+    "softcap_overflows_f32": (lambda p: (*p[:5], dict(logits_soft_cap=1e39)), ValueError, ["logits_soft_cap", "float32"]),
+    "alibi_overflows_f32": (lambda p: (*p[:5], dict(alibi_slopes=np.full(4, 1e39))), ValueError, ["alibi_slopes", "float32"]),
+    "alibi_nan": (lambda p: (*p[:5], dict(alibi_slopes=np.array([1, np.nan, 1, 1], np.float32))), ValueError, ["alibi_slopes[1]", "finite"]),
+    "alibi_inf": (lambda p: (*p[:5], dict(alibi_slopes=np.array([1, 1, 1, np.inf], np.float32))), ValueError, ["alibi_slopes[3]", "finite"]),
+    "alibi_term_overflows": (lambda p: (*p[:5], dict(alibi_slopes=np.full(4, 1e38, np.float32), mask_type="bottom_right",
+                                                     window_size_right=0)), ValueError, ["alibi_slopes", "overflow"]),
+    "sinks_nan": (lambda p: (*p[:5], dict(sinks=np.array([0, 0, np.nan, 0], np.float32))), ValueError, ["sinks[2]", "finite"]),
+    "sinks_inf": (lambda p: (*p[:5], dict(sinks=np.array([-np.inf, 0, 0, 0], np.float32))), ValueError, ["sinks[0]", "finite"]),
+    "out_is_q": (lambda p: (*p[:5], dict(out=p[0])), ValueError, ["out overlaps q"]),
+    "out_in_k_cache": (lambda p: (*p[:5], dict(out=p[1].reshape(-1)[: p[0].size].reshape(p[0].shape))), ValueError,
+                       ["out overlaps k_cache"]),
+    "out_in_v_cache": (lambda p: (*p[:5], dict(out=p[2].reshape(-1)[-p[0].size:].reshape(p[0].shape))), ValueError,
+                       ["out overlaps v_cache"]),
+    "out_under_bias": (lambda p: (*p[:5], _out_and_bias(p[0])), ValueError, ["out overlaps bias"]),
 }
+
+
+def _out_and_bias(q):
+    """An out whose memory also holds the bias (f32 viewed over f16)."""
+    out = np.zeros_like(q)
+    bias = out.reshape(-1)[: 2 * 3 * 32].view(np.float32).reshape(1, 1, 3, 32)
+    return dict(out=out, bias=bias)
 
 
 def _set(a, idx, value):
@@ -148,3 +173,47 @@ def test_empty_batch_and_zero_queries(explicit_session, rng):
     assert out.shape == (0, 3, 4, 64)
     out, lse = _call(explicit_session, q[:, :0], k, v, bt, sk, return_lse=True)
     assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+
+
+def test_torch_out_overlapping_a_torch_cache(trap, rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, bt, sk = _good(rng)
+    kt = torch.from_numpy(k)
+    out = kt.reshape(-1)[5 : 5 + q.size].reshape(q.shape)
+    with pytest.raises(ValueError, match="out overlaps k_cache"):
+        _call(trap, torch.from_numpy(q), kt, torch.from_numpy(v), bt, sk, out=out)
+
+
+def test_windows_and_sinks_past_int32_are_unbounded(explicit_session, rng):
+    """Issue 12 item 4: window sides and sink counts of 2^31 and more raised
+    OverflowError deep in the planner; they reach past every key, so they
+    mean what any window that large means (the reference takes them as
+    they are, ALiBi's non-causal form included)."""
+    prob = _good(rng)
+    slopes = rng.uniform(0.01, 0.5, 4).astype(np.float32)
+    for left, right, sink in ((2**31, 2**40, 2**31), (2**40, 0, 2**63), (3, 2**33, 2**31 - 1)):
+        run_and_check(explicit_session, prob, dtype="f16", mask_type="bottom_right", window_size_left=left,
+                      window_size_right=right, sink_size=sink, alibi_slopes=slopes)
+
+
+def test_negative_and_zero_alibi_slopes(explicit_session, rng):
+    """Slopes of any sign are accepted and follow the same formula as
+    positive ones (ck_tile computes slope * distance whatever the sign)."""
+    prob = _good(rng)
+    run_and_check(explicit_session, prob, dtype="f16", mask_type="bottom_right", window_size_right=0,
+                  alibi_slopes=np.array([-0.3, 0.0, 0.2, -1.0], np.float32))
+
+
+def test_torch_tensor_subclasses_are_tensors(explicit_session, rng):
+    """Issue 12 item 7: subclasses of torch.Tensor were refused ("got
+    MyT") because the check compared class names."""
+    torch = pytest.importorskip("torch")
+
+    class MyT(torch.Tensor):
+        pass
+
+    q, k, v, bt, sk = _good(rng)
+    want = _call(explicit_session, torch.from_numpy(q), k, v, bt, sk)
+    got = _call(explicit_session, torch.from_numpy(q).as_subclass(MyT), torch.from_numpy(k).as_subclass(MyT),
+                v, torch.from_numpy(bt).as_subclass(MyT), sk)
+    assert torch.equal(got.as_subclass(torch.Tensor), want)

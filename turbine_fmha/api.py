@@ -136,16 +136,22 @@ def fmha_fwd_paged(
         untouched in a caller-provided `out`, zero otherwise; their LSE is -inf.
       out: optional C-contiguous array of the output's shape and dtype to
         write into (returned): numpy, or, with a torch q on the session's
-        device, a torch tensor on that device.
-      scale: softmax scale, default 1/sqrt(hdim_q).
+        device, a torch tensor on that device. It must not share memory
+        with any input (ValueError naming it).
+      scale: softmax scale, default 1/sqrt(hdim_q). Scalars and float
+        arrays (alibi_slopes, sinks: finite too) must be float32 values;
+        larger ones are refused by name rather than turned into Inf.
       mask_type: "none", "top_left" or "bottom_right" (ck_tile's generic mask;
         bottom_right shifts the diagonal by seqlen_k - seqlen_q per sequence).
       window_size_left / window_size_right: local window sides, -1 = unbounded.
-        Causal is (-1, 0). Only with a mask_type other than "none".
+        Causal is (-1, 0). Only with a mask_type other than "none". Sides
+        (and sink_size) past every key, 2^31 and more included, are
+        windows that reach every key.
       sink_size: StreamingLLM sink tokens: keys t < sink_size stay visible when
         a local window has slid past them, unless beyond the row's right
         bound (ck_tile IsOutOfSinkBound). Only with a mask.
-      alibi_slopes: [nhead_q] or [batch, nhead_q] float, positive. Adds
+      alibi_slopes: [nhead_q] or [batch, nhead_q] float, finite, of any
+        sign (ck_tile's formula does not depend on it). Adds
         -slope * |i + shift - t| after scaling (shift = seqlen_k - seqlen_q
         unless the mask is top-left); with a causal mask ck_tile's VERTICAL
         form +slope * t (same output, different LSE).
@@ -203,11 +209,9 @@ def fmha_fwd_paged(
     (cuda:0), including any GPU tensor for a "cpu" session, raise
     ValueError naming the argument; so do DeviceArrays of another device.
     """
-    _check_tensor_devices(
-        session.device if isinstance(session, Session) else device,
-        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
-        seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks, out=out,
-    )
+    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
+                 seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks)
+    _check_tensor_devices(session.device if isinstance(session, Session) else device, **given, out=out)
     as_torch = _is_torch(q)
     like = q
     # A torch GPU q is looked at through its shape and dtype only: its data
@@ -277,6 +281,8 @@ def fmha_fwd_paged(
         raise ValueError(
             f"v_cache shape {v_cache.shape} must be {v_want} matching k_cache {k_cache.shape}"
         )
+    if nhead_q < 1:
+        raise ValueError(f"q must have at least one head, got nhead_q = {nhead_q} (shape {q.shape})")
     if nhead_k == 0 or nhead_q % nhead_k:
         raise ValueError(f"nhead_q ({nhead_q}) must be a multiple of nhead_k ({nhead_k})")
     if num_pages < 1 or page < 1 or hdim_q < 1 or hdim_v < 1:
@@ -339,9 +345,9 @@ def fmha_fwd_paged(
         scale = _check_float(scale, "scale")
     if mask_type not in MASK_TYPES:
         raise ValueError(f"mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
-    left = _check_int(window_size_left, "window_size_left", minimum=-1)
-    right = _check_int(window_size_right, "window_size_right", minimum=-1)
-    sink_size = _check_int(sink_size, "sink_size", minimum=0)
+    left = _window(_check_int(window_size_left, "window_size_left", minimum=-1))
+    right = _window(_check_int(window_size_right, "window_size_right", minimum=-1))
+    sink_size = _window(_check_int(sink_size, "sink_size", minimum=0))
     if mask_type == "none" and (left != -1 or right != -1 or sink_size):
         raise ValueError(
             "window_size_left/window_size_right/sink_size need mask_type 'top_left' or "
@@ -353,6 +359,15 @@ def fmha_fwd_paged(
     cap = _check_float(logits_soft_cap, "logits_soft_cap")
     if cap < 0:
         raise ValueError(f"logits_soft_cap must be >= 0 (0 disables), got {cap}")
+    # The kernels fold these into f32 products (the online ones also times
+    # log2(e)): each product must stay a float32.
+    for what, value in (
+        ("scale x q_scale x k_scale", abs(scale) * quant["q_scale"] * quant["k_scale"] * math.log2(math.e)),
+        ("logits_soft_cap", cap * math.log2(math.e)),
+        ("v_scale / (p_scale x out_scale)", quant["v_scale"] / (quant["p_scale"] * quant["out_scale"])),
+    ):
+        if not value <= F32_MAX:
+            raise ValueError(f"{what} overflows float32 in the kernels (with log2(e) folded in: {value:.4g})")
     if alibi_slopes is not None and bias is not None:
         raise ValueError("alibi_slopes and bias cannot be combined (ck_tile has one bias slot)")
     if cap > 0 and (alibi_slopes is not None or bias is not None):
@@ -362,13 +377,21 @@ def fmha_fwd_paged(
         )
     slopes = None
     if alibi_slopes is not None:
-        slopes = _float_array(alibi_slopes, "alibi_slopes")
+        slopes = _float_array(alibi_slopes, "alibi_slopes", finite=True)
         if slopes.shape not in ((nhead_q,), (batch, nhead_q)):
             raise ValueError(
                 f"alibi_slopes must have shape [nhead_q] = [{nhead_q}] or "
                 f"[batch, nhead_q] = [{batch}, {nhead_q}], got {list(slopes.shape)}"
             )
         slopes = np.broadcast_to(slopes, (batch, nhead_q))
+        # The term is slope * distance (or * key position, causal): it must
+        # stay a float32 for every key and row the call has.
+        reach = (int(seqlens_q.max()) if batch else 0) + (int(seqlen_k.max()) if batch else 0)
+        steep = float(np.abs(slopes).max()) if slopes.size else 0.0
+        if steep * reach > F32_MAX:
+            raise ValueError(
+                f"alibi_slopes: |slope| {steep:.4g} x distances up to {reach} overflow float32"
+            )
     max_sk = int(seqlen_k.max()) if batch else 0
     bias_a = None
     if bias is not None:
@@ -388,7 +411,7 @@ def fmha_fwd_paged(
             raise ValueError(f"bias must have shape {want}, got {list(bias_a.shape)}")
     sinks_a = None
     if sinks is not None:
-        sinks_a = _float_array(sinks, "sinks")
+        sinks_a = _float_array(sinks, "sinks", finite=True)
         if sinks_a.shape != (nhead_q,):
             raise ValueError(f"sinks must have shape [nhead_q] = [{nhead_q}], got {list(sinks_a.shape)}")
         sinks_a = np.ascontiguousarray(sinks_a, np.float32)
@@ -414,6 +437,11 @@ def fmha_fwd_paged(
             raise ValueError(f"out must have shape {list(out_shape)} and dtype {q.dtype}, got {list(out.shape)} {out.dtype}")
         elif not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("out must be a writeable C-contiguous array")
+        # Rows are written chunk by chunk while later chunks still read the
+        # inputs: an out sharing their memory corrupts the result.
+        clash = _overlapping(out, given)
+        if clash:
+            raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if session is None:
@@ -663,17 +691,82 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
     return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_float(value, name: str) -> float:
+    """A finite float that float32 holds (the kernels' scalars are f32)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite float, got {value!r}")
+    if abs(value) > F32_MAX:
+        raise ValueError(f"{name} = {value!r} overflows float32 (|{name}| <= {F32_MAX:.4g})")
     return float(value)
 
 
-def _float_array(x, name: str) -> np.ndarray:
+def _float_array(x, name: str, *, finite: bool = False) -> np.ndarray:
+    """x as float32. Values float32 cannot hold are refused by name rather
+    than becoming Inf; with finite=True, NaN and Inf are too."""
     a = _to_numpy(x, name)
     if not np.issubdtype(a.dtype, np.floating) and a.dtype != _bf16():
         raise TypeError(f"{name} must be a float array, got {a.dtype}")
+    wide = a.astype(np.float64, copy=False)
+    given = np.isfinite(wide)
+    if finite and not given.all():
+        idx = tuple(int(i) for i in np.argwhere(~given)[0])
+        raise ValueError(f"{name}{list(idx)} = {wide[idx]} must be finite")
+    big = given & (np.abs(wide) > F32_MAX)
+    if big.any():
+        idx = tuple(int(i) for i in np.argwhere(big)[0])
+        raise ValueError(f"{name}{list(idx)} = {wide[idx]:.6g} overflows float32")
     return a.astype(np.float32, copy=False)
+
+
+def _window(value: int) -> int:
+    """A window side or sink count as the kernels take it (int32): values
+    beyond any sequence are equivalent to UNBOUNDED - 1, which stays a
+    bounded window (ALiBi's causal form needs an unbounded left side
+    exactly) yet reaches past every key: no sequence has 2^30 keys."""
+    return min(value, UNBOUNDED - 1)
+
+
+def _overlapping(out, arrays: dict) -> str | None:
+    """The name of the first array whose memory overlaps `out`'s."""
+    lo, hi = _byte_range(out)
+    dev = _device_of(out)
+    for name, a in arrays.items():
+        if a is None or not (_is_torch(a) or isinstance(a, np.ndarray)) or _device_of(a) != dev:
+            continue
+        a_lo, a_hi = _byte_range(a)
+        if a_lo < hi and lo < a_hi and a_hi > a_lo:
+            if isinstance(a, np.ndarray) and isinstance(out, np.ndarray):
+                try:
+                    if not np.shares_memory(a, out, max_work=10**6):
+                        continue
+                except _TooHardError:
+                    pass
+            return name
+    return None
+
+
+def _byte_range(a) -> tuple[int, int]:
+    if isinstance(a, np.ndarray):
+        return _byte_bounds(a) if a.size else (0, 0)
+    if a.numel() == 0:
+        return (0, 0)
+    lo = hi = a.data_ptr()
+    for n, st in zip(a.shape, a.stride()):
+        span = (n - 1) * st * a.element_size()
+        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+    return lo, hi + a.element_size()
+
+
+# numpy 2 moved these; numpy 1.24 (the oldest this package takes) has them at the top.
+_byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
+_TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError")
+
+
+def _device_of(a) -> str:
+    return str(a.device) if _is_torch(a) else "cpu"
 
 
 def fmha_fwd_paged_async(*args, session: Session | None = None, device: str = "cpu", **kwargs):

@@ -9,6 +9,8 @@ it is imported only when a torch tensor is passed.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .plan import combine_splits, combine_splits_torch
@@ -72,8 +74,9 @@ def kernel_host_array(a: np.ndarray) -> np.ndarray:
 
 
 def _is_torch(x) -> bool:
-    t = type(x)
-    return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
+    # torch is never imported here: if it is not loaded, x is no tensor.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _to_numpy(x, name: str):
