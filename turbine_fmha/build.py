@@ -2,31 +2,49 @@
 
 Layout of an artifact directory:
     <out>/manifest.json
-    <out>/<target>/<variant>.vmfb
+    <out>/<target>/<variant>.<sha256[:16]>.vmfb
     <out>/<target>/<variant>.mlir          (the rendered kernel, for inspection)
+    <out>/.lock                            (serialises the writers of the manifest)
 
 A (variant, target) pair is rebuilt only when its source hash changes: the
 hash covers the rendered MLIR, the flags and the compiler version. Compiles
-run in parallel (iree-compile subprocesses), are written atomically, and any
-`error:` on the compiler's stderr fails the build even when it exits 0 (IREE
-can print an error and still emit a broken kernel).
+run in parallel (iree-compile subprocesses), and any `error:` on the
+compiler's stderr fails the build even when it exits 0 (IREE can print an
+error and still emit a broken kernel).
+
+Builds are reproducible: the same inputs and compiler give byte-identical
+vmfbs, with no path of the build host in them (iree-compile runs in a
+temporary directory on relative paths). So an artifact can be checked by
+rebuilding it.
+
+The directory is consistent at every moment, whatever happens to the build
+(an error, Ctrl-C, SIGKILL, another build into the same directory): each
+finished artifact is recorded as it completes, under an exclusive lock on
+<out>/.lock, by re-reading the manifest, renaming the vmfb into place under
+a name of its own (its content hash) and replacing the manifest atomically;
+only then is the file it replaces removed. Files are created with the
+process's umask, as open() does.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from . import tuning
+from .artifacts import MANIFEST, MANIFEST_VERSION, manifest_digest, read_manifest  # noqa: F401 (re-exported)
 from .targets import Target, get_target
 from .variants import (
     KERNEL_ABI,
@@ -38,8 +56,7 @@ from .variants import (
     target_unsupported,
 )
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+LOCK = ".lock"
 
 
 def compiler_version() -> str:
@@ -67,17 +84,43 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _temp_name(path: Path, suffix: str = ".tmp") -> Path:
+    # Unique per writer (process and call), hidden, next to its destination
+    # so that the rename into place is atomic.
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}{suffix}")
+
+
 def atomic_write(path: Path, data: bytes | str) -> None:
+    """Writes `path` whole or not at all, with mode 0o666 & ~umask (mkstemp
+    would give 0600: files another user could not read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    if isinstance(data, str):
+        data = data.encode()
+    tmp = _temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        with os.fdopen(fd, mode) as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def _locked(out: Path):
+    """Exclusive lock on <out>/.lock: one writer of the manifest at a time,
+    across threads and processes (flock locks are per open file)."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # --- ISA reports ----------------------------------------------------------
@@ -171,10 +214,61 @@ def source_hash(mlir: str, target: Target, version: str) -> str:
     return h.hexdigest()
 
 
-def _run_compile(mlir_path: Path, target: Target, extra: list[str], out: Path) -> tuple[float, str]:
-    cmd = [iree_compile_path(), str(mlir_path), *target.flags, *extra, "-o", str(out)]
+class Cancelled(Exception):
+    """The build was interrupted: no new compile starts."""
+
+
+class _Compilers:
+    """The running iree-compile processes of one build, so that an interrupt
+    can stop them at once instead of waiting for each (a SIGINT sent to the
+    Python process alone never reaches them)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self.cancelled = False
+
+    def run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        with self._lock:
+            # Checked under the lock that cancel() takes: a compile starts
+            # either before the cancel (and is terminated) or not at all.
+            if self.cancelled:
+                raise Cancelled()
+            proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            self._procs.add(proc)
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        if self.cancelled and proc.returncode != 0:
+            raise Cancelled()  # terminated by cancel(), not a compile error
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            procs = list(self._procs)
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.terminate()
+
+    def kill(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.kill()
+
+
+def _run_compile(compilers: _Compilers, cwd: Path, source: str, target: Target, extra: list[str],
+                 out: Path) -> tuple[float, str]:
+    # `source` and any path in `extra` are relative to `cwd`: IREE records
+    # the paths it is given (source locations, dumped files) in the vmfb.
+    cmd = [iree_compile_path(), source, *target.flags, *extra, "-o", str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = compilers.run(cmd, cwd)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0 or "error:" in proc.stderr:
         out.unlink(missing_ok=True)
@@ -182,28 +276,34 @@ def _run_compile(mlir_path: Path, target: Target, extra: list[str], out: Path) -
     return seconds, proc.stderr
 
 
-def _compile_one(mlir_path: Path, vmfb_path: Path, target: Target) -> tuple[float, dict, str]:
-    partial = Path(str(vmfb_path) + ".partial")
+def _compile_one(mlir: str, name: str, partial: Path, target: Target,
+                 compilers: _Compilers | None = None) -> tuple[float, dict, str]:
+    """Compiles `mlir` into `partial` (an absolute path; IREE does not record
+    the output's path). Returns (seconds, ISA report, stderr)."""
+    compilers = compilers or _Compilers()
     with tempfile.TemporaryDirectory(prefix="turbine-fmha-dump-") as tmp:
         tmp = Path(tmp)
-        dump = tmp / "files"
+        # The source under the name it has in the artifact directory, so
+        # that compiler messages point at the .mlir kept next to the vmfb.
+        source = f"{name}.mlir"
+        (tmp / source).write_text(mlir)
+        dump = "files"
         extra: list[str] = []
         seconds = 0.0
         attention_config = "IREE default"
         if target.kind in tuning.KINDS:
             # Pass 1: IREE's own configurations, then the tuned attention
             # configuration substituted in pass 2 (turbine_fmha.tuning).
-            configs, edited = tmp / "configs", tmp / "edited"
-            edited.mkdir()
+            (tmp / "edited").mkdir()
             seconds, _ = _run_compile(
-                mlir_path, target,
-                ["--compile-to=executable-configurations", f"--iree-hal-dump-executable-configurations-to={configs}"],
+                compilers, tmp, source, target,
+                ["--compile-to=executable-configurations", "--iree-hal-dump-executable-configurations-to=configs"],
                 tmp / "configured.mlir",
             )
-            extra = tuning.substitution_flags(configs, edited)
+            extra = tuning.substitution_flags(tmp / "configs", tmp / "edited", flag_dir="edited")
         dump_flag = f"--iree-hal-dump-executable-files-to={dump}"
         try:
-            t, stderr = _run_compile(mlir_path, target, [*extra, dump_flag], partial)
+            t, stderr = _run_compile(compilers, tmp, source, target, [*extra, dump_flag], partial)
             if extra:
                 attention_config = f"tuned v{tuning.VERSION}: head dim untiled"
         except RuntimeError:
@@ -211,25 +311,77 @@ def _compile_one(mlir_path: Path, vmfb_path: Path, target: Target) -> tuple[floa
                 raise
             # The tuned configuration did not compile for this variant: keep
             # IREE's own (slower, but a kernel).
-            t, stderr = _run_compile(mlir_path, target, [dump_flag], partial)
+            t, stderr = _run_compile(compilers, tmp, source, target, [dump_flag], partial)
             attention_config = "IREE default (tuned configuration failed to compile)"
         seconds += t
         report: dict = {}
         if target.kind == "rocm":
-            report = rocm_isa_report(dump, target.name)
+            report = rocm_isa_report(tmp / dump, target.name)
         elif target.kind == "cuda":
-            report = cuda_isa_report(dump)
+            report = cuda_isa_report(tmp / dump)
         if target.kind != "cpu":
             report["attention_config"] = attention_config
-        os.replace(partial, vmfb_path)
         return seconds, report, stderr
 
 
 def load_manifest(out: Path) -> dict:
-    path = out / MANIFEST
-    if path.exists():
-        return json.loads(path.read_text())
-    return {"manifest_version": MANIFEST_VERSION, "artifacts": []}
+    """The validated manifest of `out` (an empty one where there is none).
+    Raises turbine_fmha.ArtifactError naming the file and field of a broken
+    one: merging into it could lose artifacts."""
+    m = read_manifest(Path(out))
+    if m is None:
+        return {"manifest_version": MANIFEST_VERSION, "artifacts": []}
+    return m.data
+
+
+def _vmfb_name(variant: str, sha256: str) -> str:
+    # Named by content: a rebuilt artifact never overwrites the file that
+    # the manifest lists until the manifest lists the new one.
+    return f"{variant}.{sha256[:16]}.vmfb"
+
+
+def _remove_inside(out: Path, rel: str) -> None:
+    path = (out / rel).resolve()
+    if out.resolve() in path.parents:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _record(out: Path, entry: dict, partial: Path, version: str) -> None:
+    """Moves a finished vmfb into place and records it in the manifest, as
+    one step under the lock. Other writers' entries are kept (the manifest is
+    re-read under the lock). A SIGKILL at any point leaves a manifest whose
+    every entry names a file with its hash: the old file is removed only
+    after the manifest stops listing it."""
+    with _locked(out):
+        manifest = load_manifest(out)
+        by_key = {(a["target"], a["variant"]): a for a in manifest["artifacts"]}
+        key = (entry["target"], entry["variant"])
+        old = by_key.get(key)
+        os.replace(partial, out / entry["path"])
+        by_key[key] = entry
+        _write_manifest(out, by_key, version)
+        listed = {a["path"] for a in by_key.values()}
+        if old is not None and old["path"] not in listed:
+            _remove_inside(out, old["path"])
+        # Files of this variant that no entry lists: left by a writer killed
+        # between its rename and its manifest write. Safe to remove under the
+        # lock, since renames into these names happen only under it.
+        tdir = out / entry["target"]
+        for f in tdir.glob(f"{entry['variant']}.*.vmfb"):
+            if re.fullmatch(re.escape(entry["variant"]) + r"\.[0-9a-f]{16}\.vmfb", f.name) \
+                    and f"{entry['target']}/{f.name}" not in listed:
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+
+
+def _write_manifest(out: Path, by_key: dict, version: str) -> None:
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "compiler_version": version,
+        "artifacts": sorted(by_key.values(), key=lambda a: (a["target"], a["variant"])),
+    }
+    atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def build(
@@ -245,7 +397,11 @@ def build(
 
     `variants` is a list used for every target, a dict target -> list, or
     None for each target's default set. Raises RuntimeError listing every
-    failed compile after the others finished and the manifest was written.
+    failed compile after the others finished. Each finished artifact is in
+    the manifest as soon as it completes; on KeyboardInterrupt (or any
+    exception in the caller's thread, e.g. from `progress`) the running
+    compiles are terminated, the pending ones dropped, and the exception
+    re-raised once the workers have stopped.
     """
     from .kernels import render_variant
 
@@ -273,11 +429,14 @@ def build(
         if v not in rendered:
             rendered[v] = render_variant(v)
 
+    compilers = _Compilers()
+
     def work(item: tuple[Variant, Target]) -> BuildResult:
         v, target = item
+        if compilers.cancelled:
+            raise Cancelled()
         mlir = rendered[v]
         shash = source_hash(mlir, target, version)
-        vmfb = out / target.name / f"{v.name}.vmfb"
         mlir_path = out / target.name / f"{v.name}.mlir"
         prev = by_key.get((target.name, v.name))
         if (
@@ -285,50 +444,64 @@ def build(
             and prev is not None
             and prev.get("source_sha256") == shash
             and prev.get("kernel_abi") == KERNEL_ABI
-            and vmfb.exists()
-            and sha256_file(vmfb) == prev.get("sha256")
+            and (out / prev["path"]).is_file()
+            and sha256_file(out / prev["path"]) == prev.get("sha256")
         ):
             return BuildResult(v.name, target.name, prev, rebuilt=False)
         atomic_write(mlir_path, mlir)
+        partial = _temp_name(out / target.name / f"{v.name}.vmfb", ".partial")
         try:
-            seconds, report, _ = _compile_one(mlir_path, vmfb, target)
-        except RuntimeError as e:
-            return BuildResult(v.name, target.name, None, rebuilt=True, error=str(e))
-        entry = {
-            "variant": v.name,
-            "target": target.name,
-            "driver": target.driver,
-            "path": f"{target.name}/{v.name}.vmfb",
-            "mlir": f"{target.name}/{v.name}.mlir",
-            "sha256": sha256_file(vmfb),
-            "size": vmfb.stat().st_size,
-            "source_sha256": shash,
-            "kernel_abi": KERNEL_ABI,
-            "compiler_version": version,
-            "flags": list(target.flags),
-            "compile_seconds": round(seconds, 3),
-            "isa": report,
-        }
+            try:
+                seconds, report, _ = _compile_one(mlir, v.name, partial, target, compilers)
+            except RuntimeError as e:
+                return BuildResult(v.name, target.name, None, rebuilt=True, error=str(e))
+            sha = sha256_file(partial)
+            entry = {
+                "variant": v.name,
+                "target": target.name,
+                "driver": target.driver,
+                "path": f"{target.name}/{_vmfb_name(v.name, sha)}",
+                "mlir": f"{target.name}/{v.name}.mlir",
+                "sha256": sha,
+                "size": partial.stat().st_size,
+                "source_sha256": shash,
+                "kernel_abi": KERNEL_ABI,
+                "compiler_version": version,
+                "flags": list(target.flags),
+                "compile_seconds": round(seconds, 3),
+                "isa": report,
+            }
+            # Recorded by the worker, not the caller's thread, which an
+            # interrupt may leave at any point: an artifact that finished is
+            # kept whatever happens next.
+            _record(out, entry, partial, version)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
         return BuildResult(v.name, target.name, entry, rebuilt=True)
 
     results: list[BuildResult] = []
     jobs = jobs or os.cpu_count() or 1
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(work, item) for item in plan]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    futures = [pool.submit(work, item) for item in plan]
+    try:
         for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             r = fut.result()
             results.append(r)
             if progress:
                 progress(i, len(plan), r)
-            if r.entry is not None:
-                by_key[(r.target, r.variant)] = r.entry
-
-    manifest = {
-        "manifest_version": MANIFEST_VERSION,
-        "compiler_version": version,
-        "artifacts": sorted(by_key.values(), key=lambda a: (a["target"], a["variant"])),
-    }
-    atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
+    except BaseException:
+        # Leaving the pool's `with` would wait for every queued compile.
+        compilers.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
+        # wait() never counts a future cancelled in the queue as done.
+        started = [f for f in futures if not f.cancelled()]
+        _, running = concurrent.futures.wait(started, timeout=2.0)
+        if running:
+            compilers.kill()
+            concurrent.futures.wait(running, timeout=2.0)
+        raise
+    pool.shutdown()
     failed = [r for r in results if r.error]
     if failed:
         msg = "\n\n".join(f"{r.target}/{r.variant}:\n{r.error}" for r in failed)

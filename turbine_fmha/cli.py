@@ -13,7 +13,8 @@ from .variants import parse_kernel
 
 
 def _cmd_build(args) -> int:
-    from .build import ProgressBar, build
+    from .artifacts import ArtifactError
+    from .build import ProgressBar, build, manifest_digest
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
@@ -30,23 +31,35 @@ def _cmd_build(args) -> int:
     t0 = time.perf_counter()
     try:
         results = build(Path(args.out), targets, variants, jobs=args.jobs, progress=ProgressBar(), force=args.force)
-    except RuntimeError as e:
+    except (RuntimeError, ArtifactError) as e:
         print(e, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the artifacts that finished are in {Path(args.out) / 'manifest.json'}",
+              file=sys.stderr)
+        return 130
     rebuilt = sum(r.rebuilt for r in results)
     print(
         f"{len(results)} artifacts in {args.out} ({rebuilt} compiled, "
         f"{len(results) - rebuilt} unchanged) in {time.perf_counter() - t0:.1f}s",
         file=sys.stderr,
     )
+    # What a service pins (Session(manifest_sha256=...)) to load exactly
+    # these artifacts; stdout, so that scripts can capture it.
+    print(f"manifest sha256 {manifest_digest(Path(args.out))}")
     return 0
 
 
 def _manifest(out: str) -> dict:
-    path = Path(out) / "manifest.json"
-    if not path.exists():
-        raise SystemExit(f"no manifest at {path}; run `turbine-fmha build` first")
-    return json.loads(path.read_text())
+    from .artifacts import ArtifactError, read_manifest
+
+    try:
+        m = read_manifest(Path(out))
+    except ArtifactError as e:
+        raise SystemExit(str(e)) from None
+    if m is None:
+        raise SystemExit(f"no manifest at {Path(out) / 'manifest.json'}; run `turbine-fmha build` first")
+    return m.data
 
 
 def _cmd_list(args) -> int:

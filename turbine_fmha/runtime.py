@@ -4,25 +4,28 @@ A `Session` owns one IREE device (driver) and the modules loaded on it.
 Services create one and reuse it; `fmha_fwd_paged(..., session=None)` uses a
 process-wide session per device.
 
-Loading checks, before any module is mapped: the manifest exists, the
-artifact path stays inside the artifact directory, the file's sha256 matches
-the manifest, and the compiler version that built it equals the runtime's.
+Checks (turbine_fmha.artifacts): the whole manifest is validated when a
+Session opens the directory; before any module is mapped, the artifact path
+stays inside the artifact directory, the file's sha256 matches the manifest,
+and the compiler version that built it equals the runtime's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from .artifacts import ArtifactError  # re-exported: defined with the artifact store
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
 from .variants import KERNEL_ABI, AppendKernel, Variant, online_unsupported, parse_kernel
 
 ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
 ENV_CACHE = "TURBINE_FMHA_CACHE"
+ENV_MANIFEST_SHA256 = "TURBINE_FMHA_MANIFEST_SHA256"
 
 
 def default_artifact_dir() -> Path:
@@ -43,10 +46,6 @@ def runtime_version() -> str:
     from iree.runtime.version import VERSION
 
     return VERSION
-
-
-class ArtifactError(RuntimeError):
-    """An artifact is missing, corrupted, or from another IREE release."""
 
 
 class _Loaded:
@@ -88,6 +87,21 @@ class Session:
       compute_units: what automatic split-KV fills (fmha_fwd_paged
         num_splits=None): CPU worker threads, GPU SMs/CUs (default:
         DEFAULT_COMPUTE_UNITS).
+      manifest_sha256: the sha256 hex digest of artifact_dir's manifest.json
+        that the session accepts, or a collection of them (any may match,
+        e.g. the old and new ones during a rollout); default
+        $TURBINE_FMHA_MANIFEST_SHA256 (comma-separated), else no pin. A
+        manifest with another digest, or none, raises ArtifactError here,
+        before anything is loaded. The manifest lists each vmfb's sha256,
+        which every load verifies, so the pin fixes every kernel the session
+        can run: a vmfb is native code, and an artifact directory is
+        otherwise trusted like code (README, "Trust"). `turbine-fmha build`
+        prints the digest. Cannot be combined with compile_missing (the
+        cache's manifest changes as it compiles).
+
+    Every problem with a manifest (unreadable, not JSON, a field missing or
+    of the wrong type, an unsupported manifest_version) raises ArtifactError
+    naming the file and the field here, not at the first call.
     """
 
     def __init__(
@@ -100,7 +114,10 @@ class Session:
         cache_dir: str | os.PathLike | None = None,
         formulation: str | None = None,
         compute_units: int | None = None,
+        manifest_sha256: str | Iterable[str] | None = None,
     ):
+        from .artifacts import parse_pins
+
         if device not in DEVICE_DEFAULT_TARGET:
             raise ValueError(
                 f"device must be one of {sorted(DEVICE_DEFAULT_TARGET)}, got {device!r}"
@@ -127,34 +144,25 @@ class Session:
         # Variants by problem (Variant.problem as a tuple), so choosing one
         # per call does not re-parse every manifest name.
         self._by_problem: dict[tuple, list[Variant]] = {}
-        self._read_manifest(self.artifact_dir)
+        if manifest_sha256 is None and os.environ.get(ENV_MANIFEST_SHA256):
+            manifest_sha256 = [d for d in os.environ[ENV_MANIFEST_SHA256].split(",") if d.strip()]
+        pins = parse_pins(manifest_sha256)
+        if pins is not None and compile_missing:
+            raise ValueError("manifest_sha256 cannot be combined with compile_missing: variants compiled "
+                             "into cache_dir would load outside the pinned manifest")
+        self._read_manifest(self.artifact_dir, pins)
         if compile_missing:
             self._read_manifest(self.cache_dir)
 
     # -- manifest and loading ---------------------------------------------
 
-    def _read_manifest(self, directory: Path) -> None:
-        path = directory / "manifest.json"
-        if not path.exists():
+    def _read_manifest(self, directory: Path, pins: frozenset[str] | None = None) -> None:
+        from .artifacts import entries_for, read_manifest
+
+        manifest = read_manifest(directory, pins=pins)
+        if manifest is None:
             return
-        try:
-            manifest = json.loads(path.read_text())
-            artifacts = manifest["artifacts"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ArtifactError(f"unreadable manifest {path}: {e}") from None
-        for a in artifacts:
-            if a.get("target") != self.target.name:
-                continue
-            try:
-                variant = parse_kernel(a["variant"])
-            except (KeyError, ValueError):
-                # Built by an older version whose variant rules allowed it
-                # (e.g. an online kernel since found to be wrong): never load.
-                continue
-            if a.get("kernel_abi") != KERNEL_ABI:
-                # Built from templates with another argument list: calling it
-                # would fail inside IREE; "no artifact" names the rebuild.
-                continue
+        for variant, a in entries_for(manifest, self.target.name, KERNEL_ABI, parse_kernel):
             if a["variant"] not in self._index:
                 self._index[a["variant"]] = dict(a, _dir=str(directory))
                 if isinstance(variant, Variant):
@@ -205,25 +213,11 @@ class Session:
         return self._index[variant.name]
 
     def _load_entry(self, variant: Variant, entry: dict) -> _Loaded:
-        import hashlib
-
         import iree.runtime as rt
 
-        base = Path(entry["_dir"]).resolve()
-        path = (base / entry["path"]).resolve()
-        if base not in path.parents:
-            raise ArtifactError(f"manifest path {entry['path']!r} escapes {base}")
-        if not path.is_file():
-            raise ArtifactError(f"artifact file missing: {path}")
-        rv = runtime_version()
-        if entry.get("compiler_version") != rv:
-            raise ArtifactError(
-                f"{path.name} was built by IREE compiler {entry.get('compiler_version')} "
-                f"but the runtime is {rv}; rebuild the artifacts"
-            )
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-            raise ArtifactError(f"sha256 of {path} does not match its manifest entry")
+        from .artifacts import verify_artifact
+
+        path, data = verify_artifact(Path(entry["_dir"]), entry, runtime_version())
         config = self._iree_config()
         key = (self.target.driver, entry.get("sha256"))
         with _SHARED_LOCK:

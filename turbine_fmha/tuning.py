@@ -53,9 +53,12 @@ def untile_head_dim(configured: str) -> str | None:
     return configured[: wg.start(2)] + ", ".join(map(str, tiles)) + configured[wg.end(2) :]
 
 
-def substitution_flags(config_dir: Path, out_dir: Path) -> list[str]:
+def substitution_flags(config_dir: Path, out_dir: Path, flag_dir: str | None = None) -> list[str]:
     """Edits every dumped configured executable that holds an attention
-    dispatch; returns the iree-compile flags that substitute them."""
+    dispatch; returns the iree-compile flags that substitute them. The flags
+    name the edited files under `flag_dir` (default: out_dir), which is
+    how iree-compile, from its working directory, reaches out_dir: a
+    relative name keeps the build directory's path out of the vmfb."""
     flags = []
     for path in sorted(Path(config_dir).glob("*.mlir")):
         edited = untile_head_dim(path.read_text())
@@ -66,5 +69,6 @@ def substitution_flags(config_dir: Path, out_dir: Path) -> list[str]:
             continue
         dst = Path(out_dir) / path.name
         dst.write_text(edited)
-        flags.append(f"--iree-hal-substitute-executable-configuration={name.group(1)}={dst}")
+        shown = Path(flag_dir) / path.name if flag_dir is not None else dst
+        flags.append(f"--iree-hal-substitute-executable-configuration={name.group(1)}={shown}")
     return flags
