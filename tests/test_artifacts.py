@@ -123,6 +123,16 @@ def test_builds_are_byte_identical_and_hold_no_host_path(umask_builds):
             assert leak.encode() not in data, (vmfb, leak)
 
 
+def test_build_into_a_relative_directory(tmp_path, monkeypatch):
+    """iree-compile runs in its own temporary directory: a relative --out
+    (the CLI's usual `--out artifacts`) once made every compile fail to open
+    its output there."""
+    monkeypatch.chdir(tmp_path)
+    tfb.build(Path("rel") / "out", ["host"], [A1])
+    entry = _entries(tmp_path / "rel" / "out")[A1.name]
+    assert (tmp_path / "rel" / "out" / entry["path"]).is_file()
+
+
 # --- 12: file modes follow the umask ---------------------------------------
 
 

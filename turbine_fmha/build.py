@@ -405,7 +405,9 @@ def build(
     """
     from .kernels import render_variant
 
-    out = Path(out)
+    # Absolute: iree-compile runs in a temporary directory (reproducible
+    # builds), so a relative output path would point there.
+    out = Path(out).absolute()
     version = compiler_version()
     manifest = load_manifest(out)
     by_key = {(a["target"], a["variant"]): a for a in manifest["artifacts"]}
