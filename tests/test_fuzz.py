@@ -9,11 +9,19 @@ bias, soft-cap and attention sinks, batch and group mode, gappy KV, split-KV,
 and both formulations. The block tables have permuted pages, pages shared
 between sequences, and garbage in unused slots. Head dims are kept small
 so the variants it needs compile quickly.
+
+Hostile values too (issue 12): NaN and +-Inf anywhere in q, K and V
+(visible keys, stale rows, pages no sequence uses), tiny and default
+scales, biases of huge magnitude (every score shifted by up to 3e37, which
+leaves the softmax unchanged), and out buffers that alias an input (refused
+by name, nothing changed). NaN/Inf rows must match the reference's
+exactly; finite ones within the usual tolerance.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +30,13 @@ from conftest import LSE_TOL, OUT_TOL, np_dtype
 from turbine_fmha.reference import fmha_fwd_paged_ref
 
 HEADS = [(4, 2), (4, 4), (4, 1)]
-FEATURES = ["none", "alibi", "bias", "softcap", "sinks"]
+FEATURES = ["none", "alibi", "bias", "softcap", "sinks", "offset"]
+# A bias of one constant on every key: a float32 and a float64 sum both
+# lose the score beside it, so kernel and reference agree on a uniform
+# softmax over the visible keys (an f32 LSE cannot hold log(sum) there).
+OFFSETS = [-1e30, 1e20, -3e37, 3e37]
+POISON = ["none", "none", "q_nan", "k_nan", "k_inf", "k_ninf", "v_nan", "v_inf"]
+ALIASES = [None] * 6 + ["q", "k_cache", "v_cache"]
 
 
 @st.composite
@@ -46,8 +60,13 @@ def problems(draw):
     splits = draw(st.sampled_from([None, 1, 2, 3]))
     formulation = draw(st.sampled_from(["explicit", "online"]))
     seed = draw(st.integers(0, 2**32 - 1))
+    scale = draw(st.sampled_from([None, None, 1e-6, 1e-30]))
+    offset = draw(st.sampled_from(OFFSETS)) if feature == "offset" else None
+    poison = draw(st.sampled_from(POISON))
+    alias = draw(st.sampled_from(ALIASES))
     return dict(dtype=dtype, hq=hq, hk=hk, d=d, dv=dv, page=page, lens_q=lens_q, lens_k=lens_k, offsets=offsets,
-                group=group, kw=kw, feature=feature, splits=splits, formulation=formulation, seed=seed)
+                group=group, kw=kw, feature=feature, splits=splits, formulation=formulation, seed=seed,
+                scale=scale, offset=offset, poison=poison, alias=alias)
 
 
 def _build(p):
@@ -84,6 +103,18 @@ def _build(p):
         kw["logits_soft_cap"] = 2.5
     elif f == "sinks":
         kw["sinks"] = rng.uniform(-1, 2, p["hq"]).astype(np.float32)
+    elif f == "offset":
+        keys = max(p["lens_k"] + [1])
+        kw["bias"] = np.full((p["hq"], total, keys) if p["group"] else (1, 1, p["lens_q"][0], keys),
+                             p.get("offset", -1e30), np.float32)
+    if p.get("scale") is not None:
+        kw["scale"] = p["scale"]
+    poison = p.get("poison", "none")
+    if poison != "none":
+        # One element anywhere: a visible key, a stale row, an unused page.
+        target, what = poison.split("_")
+        a = {"q": q, "k": k, "v": v}[target]
+        a[tuple(int(rng.integers(n)) for n in a.shape)] = {"nan": np.nan, "inf": np.inf, "ninf": -np.inf}[what]
     return (q, k, v, bt, np.array(p["lens_k"], np.int32)), kw
 
 
@@ -93,20 +124,48 @@ FOUND_SPLIT_BIAS = dict(dtype="f16", hq=4, hk=2, d=32, dv=32, page=1, lens_q=[1]
                         kw={"mask_type": "none"}, feature="bias", splits=2, formulation="explicit", seed=0)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(p=problems())
 @example(p=FOUND_SPLIT_BIAS)
 def test_random_problems_match_the_reference(explicit_session, online_session, p):
     args, kw = _build(p)
     session = explicit_session if p["formulation"] == "explicit" else online_session
+    if p.get("alias"):
+        _check_alias_refused(session, args, kw, p)
+        return
     out, lse = turbine_fmha.fmha_fwd_paged(*args, return_lse=True, num_splits=p["splits"], session=session, **kw)
-    ref, ref_lse = fmha_fwd_paged_ref(*args, **kw)
-    out64 = out.astype(np.float64)
-    assert np.isfinite(out64).all()
-    denom = max(np.abs(ref).max(), 1e-30) if ref.size else 1.0
-    err = np.abs(out64 - ref).max() / denom if ref.size else 0.0
-    assert err <= OUT_TOL[p["dtype"]], f"output rel err {err:.3e}"
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    fin = np.isfinite(ref_lse)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref, ref_lse = fmha_fwd_paged_ref(*args, **kw)
+    _compare(out.astype(np.float64), ref, OUT_TOL[p["dtype"]], relative=True)
+    _compare(lse.astype(np.float64), ref_lse, LSE_TOL[p["dtype"]], relative=False)
+
+
+def _compare(got, want, tol, *, relative):
+    """NaN and +-Inf exactly where the reference has them (same sign);
+    finite values within tol (relative to the largest finite |want|)."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg="NaN pattern differs")
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(got[inf], want[inf], err_msg="Inf values differ")
+    fin = np.isfinite(want)
+    assert np.isfinite(got[fin]).all(), "non-finite where the reference is finite"
     if fin.any():
-        assert np.abs(lse[fin] - ref_lse[fin]).max() <= LSE_TOL[p["dtype"]]
+        scale = max(np.abs(want[fin]).max(), 1e-30) if relative else 1.0
+        err = np.abs(got[fin] - want[fin]).max() / scale
+        assert err <= tol, f"{'rel' if relative else 'abs'} err {err:.3e} > {tol}"
+
+
+def _check_alias_refused(session, args, kw, p):
+    """An out sharing memory with an input is refused by name before
+    anything runs, and every input is left as it was."""
+    q, k, v, bt, sk = args
+    src = {"q": q, "k_cache": k, "v_cache": v}[p["alias"]]
+    shape = q.shape[:-1] + (p["dv"],)
+    n = int(np.prod(shape))
+    if src.size < n:
+        return
+    out = src.reshape(-1)[:n].reshape(shape)
+    before = [a.copy() for a in args]
+    with pytest.raises(ValueError, match=f"out overlaps {p['alias']}"):
+        turbine_fmha.fmha_fwd_paged(*args, out=out, num_splits=p["splits"], session=session, **kw)
+    for a, b in zip(args, before):
+        np.testing.assert_array_equal(a, b)
