@@ -3,6 +3,7 @@ compile-only checks of every ROCm and CUDA variant in the default set."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -24,6 +25,15 @@ def test_variant_names_roundtrip():
     for v in host_default_set() + gpu_default_set():
         assert Variant.parse(v.name) == v
     assert len({v.name for v in host_default_set()}) == len(host_default_set())
+
+
+def test_default_names_unchanged():
+    """The default sets keep the names their artifacts were built under."""
+    names = sorted(v.name for v in gpu_default_set() + host_default_set())
+    names += sorted(a.name for gpu in (False, True) for a in default_append_kernels(gpu))
+    assert len(names) == 380
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    assert digest == "1d97fc7d371fb1cd2f8115b345cb43e4010f6ebd3f82e64eb5069541d54cd63a"
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

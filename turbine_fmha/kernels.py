@@ -1,13 +1,15 @@
 """The paged-KV attention kernels as iree-turbine CustomOps.
 
-Each formulation is a `CustomOp` whose `select` declares the arguments and
-which of their dims are static, and whose `generate` renders the matching
-Jinja template from the repo's `mlir/` directory into the kernel module.
-`render_variant` drives the same machinery for ahead-of-time builds: it makes
-a `KernelSelection` from meta tensors shaped like the variant and returns
-the MLIR module text that `turbine_fmha.build` hands to iree-compile.
-`PagedKVAppend` / `render_append` do the same for the in-place append
-kernel of device-resident page pools.
+Each op is derived from its declaration in turbine_fmha.signature: the
+CustomOp signature string, `select` (argument kinds and which dims are
+static), the example arguments and the MLIR function header. `select` and
+`generate` read the variant back from the arguments (`variant_of`), so the
+template parameters and the kernel's name come from the Variant itself.
+`render_variant` drives the same machinery for ahead-of-time builds and
+returns the MLIR module text that `turbine_fmha.build` hands to iree-compile.
+
+The templates are package data (turbine_fmha/templates/);
+TURBINE_FMHA_MLIR_DIR overrides their directory.
 
 Imports torch and iree-turbine: build-time only. The runtime does not need
 this module.
@@ -20,40 +22,35 @@ from pathlib import Path
 
 import torch
 from iree.compiler.ir import Location
-from iree.turbine.runtime.op_reg import (
-    CustomOp,
-    KernelBuilder,
-    KernelSelection,
-)
-from iree.turbine.runtime.op_reg.base import (
-    ALL_CUSTOM_OP_REGS,
-    EagerKernelSelection,
-    FreeFuncKernelBuilder,
-)
+from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
+from iree.turbine.runtime.op_reg.base import ALL_CUSTOM_OP_REGS, EagerKernelSelection, FreeFuncKernelBuilder
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant, bias_shape_of
+from . import signature as sig
+from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant
+
+_TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i8": torch.int8,
+                "i32": torch.int32}
+_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 
 def mlir_dir() -> Path:
+    """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package's."""
     env = os.environ.get("TURBINE_FMHA_MLIR_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent / "mlir"
+    return Path(env) if env else Path(__file__).resolve().parent / "templates"
 
 
-class RepoJinjaLoader(TemplateLoader):
-    """Loads `<name>.mlir.jinja` from the repo's top-level mlir/ directory."""
+class PackageJinjaLoader(TemplateLoader):
+    """Loads `<name>.mlir.jinja` from the package's templates (or the
+    TURBINE_FMHA_MLIR_DIR override)."""
 
     def __init__(self, directory: Path | None = None):
-        from jinja2 import Environment, FileSystemLoader, StrictUndefined
+        from jinja2 import Environment, FileSystemLoader, PackageLoader, StrictUndefined
 
-        self.directory = directory or mlir_dir()
-        self.env = Environment(
-            loader=FileSystemLoader(str(self.directory)),
-            undefined=StrictUndefined,
-            keep_trailing_newline=True,
-        )
+        env_dir = os.environ.get("TURBINE_FMHA_MLIR_DIR")
+        directory = directory or (Path(env_dir) if env_dir else None)
+        loader = FileSystemLoader(str(directory)) if directory else PackageLoader("turbine_fmha", "templates")
+        self.env = Environment(loader=loader, undefined=StrictUndefined, keep_trailing_newline=True)
 
     def render(self, name: str, **kwargs) -> str:
         return self.env.get_template(f"{name}.mlir.jinja").render(**kwargs)
@@ -62,274 +59,223 @@ class RepoJinjaLoader(TemplateLoader):
         return self._parse_module_asm(kb, self.render(name, **kwargs))
 
 
-_TEMPLATES = RepoJinjaLoader()
+_TEMPLATES = PackageJinjaLoader()
 
-_TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
-# fp8 tensors travel as int8 (the templates decode and encode the bytes).
-_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()} | {torch.int8: "i8"}
 
-# The argument list shared by both formulations (see the templates):
-#   seqlen_q, seqlen_k, kv_shift: [batch] int32 (kv_shift: gappy KV, key t
-#     of sequence b is gathered row kv_shift[b] + t)
-#   fparams = [scale, logits_soft_cap, out_mult, scale_p]    (f32; see the
-#     templates' prologue)
-#   iparams = [q_start, window_left, window_right, sink_size] (i32)
-#   alibi_slopes [batch, nhead_q] f32, bias [b|1, h|1, rows, keys] f32 and
-#   sinks [nhead_q] f32 are present only in variants that use them.
-_SIGNATURE_ARGS = (
-    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-    "Tensor seqlen_q, Tensor seqlen_k, Tensor kv_shift, Tensor fparams, Tensor iparams, "
-    "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str v_layout, str kv_dtype, "
-    "int v_guard"
-)
-# Results: out [b, rows, hq, dv], then [b, hq, rows] f32 each: LSE, the row
-# max score and the row sum of exp(score - max) (the split-KV merge's
-# weights; see the templates' split_stats).
-_RESULTS = "(Tensor, Tensor, Tensor, Tensor)"
-_N_FIXED = 9  # tensors every variant takes
-_OPTIONAL = (9, 10, 11)  # alibi_slopes, bias, sinks
+def _bind(kernel: sig.Kernel, tensors: list, v_layout: str = "row") -> dict:
+    """Symbol -> size from the argument tensors (None where absent), checking
+    that every use of a symbol agrees. A size-1 "B|1" / "HQ|1" axis is a
+    broadcast one; its symbol then binds to the string "1"."""
+    sym: dict = {}
+    for arg, t in zip(kernel.args, tensors):
+        if t is None:
+            continue
+        for i, (d, n) in enumerate(zip(arg.dims_for(v_layout), t.shape)):
+            if "|" in str(d):
+                sym[d] = "1" if n == 1 else d.split("|")[0]
+                d = None if n == 1 else d.split("|")[0]
+            if isinstance(d, int):
+                torch._check(n == d, lambda: f"{arg.name} dim {i} must be {d}, got {n}")
+            elif d is not None:
+                torch._check(sym.setdefault(d, n) == n, lambda: f"{arg.name}: {d} is {sym[d]} elsewhere, got {n}")
+    return sym
+
+
+def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
+    """The Variant a call of the attention kernel with these arguments
+    (FWD.args order; None for absent optional ones) and attributes runs."""
+    q = tensors[0]
+    torch._check(q.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.dtype}")
+    # An i8 q is fp8 static quantization: kv_dtype names the format.
+    torch._check(q.dtype != torch.int8 or bool(attrs["kv_dtype"]), lambda: "int8 q needs an fp8 format")
+    sym = _bind(sig.FWD, tensors, attrs["v_layout"])
+    names = [a.name for a in sig.FWD.args]
+    online = kernel_formulation == "online"
+    v = Variant(
+        dtype=attrs["kv_dtype"] if q.dtype == torch.int8 else _DTYPE_NAME[q.dtype],
+        hdim_q=sym["D"], hdim_v=sym["DV"], nhead_q=sym["HQ"], nhead_k=sym["HK"], page_block_size=sym["PG"],
+        mask=attrs["mask"],
+        bias="alibi" if tensors[names.index("alibi_slopes")] is not None else (
+            "elementwise" if tensors[names.index("bias")] is not None else "none"),
+        bias_shape="".join((c if sym[s] != "1" else "1") for s, c in (("B|1", "b"), ("HQ|1", "h")) if s in sym),
+        softcap=bool(attrs["softcap"]), sinks=tensors[names.index("sinks")] is not None,
+        v_layout=attrs["v_layout"], kv_dtype="" if q.dtype == torch.int8 else attrs["kv_dtype"],
+        formulation=kernel_formulation, v_guard=bool(attrs["v_guard"]),
+        batch_tile=sym["B"] if online else 0, seqlen_q_tile=sym["S"] if online else 0,
+    )
+    for arg, t in zip(sig.FWD.args, tensors):
+        want = _TORCH_DTYPE[sig.fwd_types(v).dtypes[arg.dtype]]
+        torch._check(t is None or t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
+    return v
+
+
+def _static_dims(t: sig.Tensor, sym: dict, v_layout: str) -> list[int]:
+    return [i for i, n in enumerate(sig.shape_of(t, sym, v_layout)) if n != "?"]
+
+
+def _ksel_values(kernel: sig.Kernel, ksel: KernelSelection) -> tuple[list, dict]:
+    n = len(kernel.args)
+    tensors = [ksel.arg_descs[i].maybe_tensor_value for i in range(n)]
+    attrs = {a.name: ksel.arg_descs[n + i].v for i, a in enumerate(kernel.attrs)}
+    return tensors, attrs
+
+
+def _select(kernel: sig.Kernel, ksel: KernelSelection, types: sig.Types) -> None:
+    """Declares `kernel`'s arguments and results to `ksel`, with the dims
+    that `types` (the variant's symbols, "?" for dynamic) fixes static."""
+    descs = [ksel.arg_descs[i] for i in range(len(kernel.args))]
+    for t, desc in zip(kernel.args, descs):
+        if desc.maybe_tensor_value is not None:
+            desc.specialize_dims(*_static_dims(t, types.sym, types.v_layout))
+    tensors = [d.maybe_tensor_value for d in descs]
+    bound = _bind(kernel, tensors, types.v_layout)
+    for r in kernel.results:
+        shape = [bound[d] if isinstance(d, str) else d for d in r.dims]
+        out = ksel.return_new_tensor(shape, _TORCH_DTYPE[types.dtypes[r.dtype]])
+        out.specialize_dims(*_static_dims(r, types.sym, types.v_layout))
+
+
+def _declare_args(kernel: sig.Kernel, ksel: KernelSelection) -> None:
+    for i, a in enumerate(kernel.args):
+        (ksel.arg_optional_tensor if a.optional else ksel.arg_tensor)(i)
+    for i, a in enumerate(kernel.attrs):
+        getattr(ksel, f"attr_{a.kind}")(len(kernel.args) + i)
+
+
+def _generate(kb: KernelBuilder, template: str, func_name: str, n_args: int, **params) -> None:
+    func = _TEMPLATES.inline_template_function(kb, template, func_name, func_name=func_name, **params)
+    # Absent optional tensors are not kernel arguments, and the builder
+    # numbers only the arguments that are present.
+    kb.yield_results(*call_function(func, *(kb.arg_value(i) for i in range(n_args))))
 
 
 class _PagedKVFwd(CustomOp):
-    template: str = ""
-    # Extra static dims beyond heads/head dims/page size (online: batch, rows).
-    static_rows: bool = False
+    formulation: str = ""
 
     def select(self, ksel: KernelSelection):
-        q, kc, vc, bt, sq_t, sk_t, ks_t, fparams, iparams = (ksel.arg_tensor(i) for i in range(_N_FIXED))
-        alibi, bias, sinks = (ksel.arg_optional_tensor(i) for i in _OPTIONAL)
-        ksel.attr_str(12)
-        ksel.attr_int(13)
-        ksel.attr_str(14)
-        ksel.attr_str(15)
-        ksel.attr_int(16)
-        torch._check(q.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.t.dtype}")
-        # fp8 travels as int8; attr 15 names the format (of K/V, and of Q and
-        # the output when q is int8: static quantization).
-        torch._check(q.t.dtype != torch.int8 or bool(ksel.arg_descs[15].v), lambda: "int8 q needs an fp8 format")
-        kv_t = torch.int8 if ksel.arg_descs[15].v else q.t.dtype
-        torch._check(kc.t.dtype == kv_t and vc.t.dtype == kv_t, lambda: "dtype mismatch")
-        torch._check(q.t.shape[3] == kc.t.shape[3], lambda: "hdim_q mismatch")
-        torch._check(q.t.shape[2] % kc.t.shape[2] == 0, lambda: "nhead_q % nhead_k != 0")
-        q.specialize_dims(2, 3)
-        kc.specialize_dims(1, 2, 3)
-        vc.specialize_dims(1, 2, 3)
-        fparams.specialize_all_dims()
-        iparams.specialize_all_dims()
-        if alibi is not None:
-            alibi.specialize_dims(1)
-        if bias is not None:
-            # The head axis is static (1 or nhead_q); a size-1 batch axis is
-            # a static broadcast, a full one follows q's dynamic batch.
-            bias.specialize_dims(1)
-            if bias.t.shape[0] == 1:
-                bias.specialize_dims(0)
-        if sinks is not None:
-            sinks.specialize_all_dims()
-        b, sq, hq, _ = q.t.shape
-        dv = vc.t.shape[2] if ksel.arg_descs[14].v == "col" else vc.t.shape[3]
-        out = ksel.return_new_tensor([b, sq, hq, dv], q.t.dtype)
-        stats = [ksel.return_new_tensor([b, hq, sq], torch.float32) for _ in range(3)]
-        if self.static_rows:
-            q.specialize_dims(0, 1)
-            bt.specialize_dims(0)
-            for per_batch in (sq_t, sk_t, ks_t):
-                per_batch.specialize_all_dims()
-            if alibi is not None:
-                alibi.specialize_all_dims()
-            if bias is not None:
-                bias.specialize_dims(0, 1, 2)
-            out.specialize_all_dims()
-            for r in stats:
-                r.specialize_all_dims()
-        else:
-            out.specialize_dims(2, 3)
-            for r in stats:
-                r.specialize_dims(1)
+        _declare_args(sig.FWD, ksel)
+        v = variant_of(self.formulation, *_ksel_values(sig.FWD, ksel))
+        _select(sig.FWD, ksel, sig.fwd_types(v))
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        q, kc, vc = (ksel.arg_descs[i].t for i in range(3))
-        alibi, bias, sinks = (ksel.arg_descs[i].maybe_tensor_value for i in _OPTIONAL)
-        p = dict(
-            dt=_DTYPE_NAME[q.dtype],
-            HQ=q.shape[2],
-            HK=kc.shape[2],
-            D=q.shape[3],
-            DV=vc.shape[2] if ksel.arg_descs[14].v == "col" else vc.shape[3],
-            VCOL=ksel.arg_descs[14].v == "col",
-            KV_DT=FP8_DTYPES.get(ksel.arg_descs[15].v, ""),
-            QF8=q.dtype == torch.int8,
-            V_GUARD=bool(ksel.arg_descs[16].v),
-            PAGE=kc.shape[1],
-            mask=ksel.arg_descs[12].v,
-            SOFTCAP=bool(ksel.arg_descs[13].v),
-            ALIBI=alibi is not None,
-            BIAS_SHAPE=bias_shape_of(bias),
-            SINKS=sinks is not None,
-            BT=q.shape[0],
-            MQ=q.shape[1],
-            UNBOUNDED=UNBOUNDED,
-        )
-        func_name = (
-            f"{self.template}_{p['dt']}_d{p['D']}x{p['DV']}_h{p['HQ']}x{p['HK']}"
-            f"_pg{p['PAGE']}_{p['mask']}"
-            + ("_alibi" if p["ALIBI"] else "")
-            + (f"_bias{p['BIAS_SHAPE']}" if p["BIAS_SHAPE"] else "")
-            + ("_softcap" if p["SOFTCAP"] else "")
-            + ("_sink" if p["SINKS"] else "")
-            + ("_vcol" if p["VCOL"] else "")
-            + (f"_{'sq' if p['QF8'] else 'kv'}{ksel.arg_descs[15].v}" if p["KV_DT"] else "")
-        )
-        if self.static_rows:
-            func_name += f"_b{p['BT']}_q{p['MQ']}"
-        if not p["V_GUARD"]:
-            func_name += "_nvguard"
-        func = _TEMPLATES.inline_template_function(
-            kb, self.template, func_name, func_name=func_name, **p
-        )
-        # Absent optional tensors are not kernel arguments, and the builder
-        # numbers only the arguments that are present.
-        n_optional = sum(t is not None for t in (alibi, bias, sinks))
-        args = [kb.arg_value(i) for i in range(_N_FIXED + n_optional)]
-        kb.yield_results(*call_function(func, *args))
+        tensors, attrs = _ksel_values(sig.FWD, ksel)
+        v = variant_of(self.formulation, tensors, attrs)
+        _generate(kb, f"pagedkv_fwd_{v.formulation}", f"{v.name}_impl", sum(t is not None for t in tensors),
+                  **template_params(v))
+
+
+def template_params(v: Variant) -> dict:
+    """What the forward templates specialize on, for variant `v`."""
+    types = sig.fwd_types(v)
+    args = [a for a in sig.FWD.args if sig.present(v, a)]
+    return dict(
+        sig=sig.mlir_header(sig.FWD, args, types),
+        dt=types.dtypes["Q"], HQ=v.nhead_q, HK=v.nhead_k, G=v.group_size, D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
+        VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""), QF8=v.static_quant,
+        V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
+        SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, UNBOUNDED=UNBOUNDED,
+    )
 
 
 class PagedKVFwdExplicit(_PagedKVFwd):
     """QK^T contraction, masked softmax pieces and PV contraction (CPU)."""
 
-    template = "pagedkv_fwd_explicit"
-    signature = f"turbine_fmha_pagedkv_fwd_explicit({_SIGNATURE_ARGS}) -> {_RESULTS}"
+    formulation = "explicit"
+    signature = sig.custom_op_signature(sig.FWD, "turbine_fmha_pagedkv_fwd_explicit")
 
 
 class PagedKVFwdOnline(_PagedKVFwd):
     """Fused gather + iree_linalg_ext.online_attention (GPU; runs on CPU too)."""
 
-    template = "pagedkv_fwd_online"
-    signature = f"turbine_fmha_pagedkv_fwd_online({_SIGNATURE_ARGS}) -> {_RESULTS}"
-    static_rows = True
+    formulation = "online"
+    signature = sig.custom_op_signature(sig.FWD, "turbine_fmha_pagedkv_fwd_online")
+
+
+def _append_of(tensors: list) -> AppendKernel:
+    sym = _bind(sig.APPEND, tensors)
+    dt = tensors[3].dtype
+    torch._check(dt in _DTYPE_NAME, lambda: f"unsupported dtype {dt}")
+    torch._check(all(t.dtype == dt for t in tensors[:2] + tensors[4:]), lambda: "dtype mismatch")
+    return AppendKernel(_DTYPE_NAME[dt], sym["HK"], sym["D"], sym["DV"], sym["PG"])
 
 
 class PagedKVAppend(CustomOp):
     """Scatters new tokens' K/V into their pages, returning the updated
     caches."""
 
-    signature = (
-        "turbine_fmha_pagedkv_append(Tensor k_new, Tensor v_new, Tensor slots, "
-        "Tensor k_cache, Tensor v_cache) -> (Tensor, Tensor)"
-    )
+    signature = sig.custom_op_signature(sig.APPEND, "turbine_fmha_pagedkv_append")
 
     def select(self, ksel: KernelSelection):
-        kn, vn, slots, kc, vc = (ksel.arg_tensor(i) for i in range(5))
-        torch._check(kc.t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {kc.t.dtype}")
-        torch._check(kn.t.dtype == kc.t.dtype and vn.t.dtype == vc.t.dtype == kc.t.dtype, lambda: "dtype mismatch")
-        kn.specialize_dims(1, 2)
-        vn.specialize_dims(1, 2)
-        slots.specialize_dims(1)
-        kc.specialize_dims(1, 2, 3)
-        vc.specialize_dims(1, 2, 3)
-        ksel.return_new_tensor(list(kc.t.shape), kc.t.dtype).specialize_dims(1, 2, 3)
-        ksel.return_new_tensor(list(vc.t.shape), vc.t.dtype).specialize_dims(1, 2, 3)
+        _declare_args(sig.APPEND, ksel)
+        a = _append_of(_ksel_values(sig.APPEND, ksel)[0])
+        _select(sig.APPEND, ksel, sig.append_types(a))
 
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        kc, vc = ksel.arg_descs[3].t, ksel.arg_descs[4].t
-        p = dict(dt=_DTYPE_NAME[kc.dtype], HK=kc.shape[2], D=kc.shape[3], DV=vc.shape[3], PAGE=kc.shape[1])
-        func_name = f"pagedkv_append_impl_{p['dt']}_h{p['HK']}_d{p['D']}x{p['DV']}_pg{p['PAGE']}"
-        func = _TEMPLATES.inline_template_function(kb, "pagedkv_append", func_name, func_name=func_name, **p)
-        kb.yield_results(*call_function(func, *(kb.arg_value(i) for i in range(5))))
+        a = _append_of(_ksel_values(sig.APPEND, ksel)[0])
+        types = sig.append_types(a)
+        _generate(kb, "pagedkv_append", f"{a.name}_impl", len(sig.APPEND.args),
+                  sig=sig.mlir_header(sig.APPEND, list(sig.APPEND.args), types), dt=a.dtype)
 
 
-def render_append(a: AppendKernel) -> str:
-    """MLIR module text for `a`, with public entry point `a.name` whose two
-    cache arguments are also its outputs (iree.abi.output): IREE writes the
-    results into the caller's cache buffers instead of new ones."""
-    from iree.compiler.ir import ArrayAttr, DictAttr, IntegerAttr, IndexType
+def _registered(cls) -> CustomOp:
+    fq = f"turbine.{cls.signature.split('(')[0]}"
+    if fq not in ALL_CUSTOM_OP_REGS:
+        CustomOp.register(cls)
+    return ALL_CUSTOM_OP_REGS[fq]
 
-    if "turbine.turbine_fmha_pagedkv_append" not in ALL_CUSTOM_OP_REGS:
-        CustomOp.register(PagedKVAppend)
-    op = ALL_CUSTOM_OP_REGS["turbine.turbine_fmha_pagedkv_append"]
-    dt = torch.int8 if a.dtype == "i8" else _TORCH_DTYPE[a.dtype]
 
-    def t(*shape, dtype=dt):
-        return torch.empty(*shape, dtype=dtype, device="meta")
+def _meta(t: sig.Tensor, types: sig.Types) -> torch.Tensor:
+    """A meta tensor of `t`'s declared shape; dynamic dims get size 2, so a
+    size-1 axis always means a broadcast axis."""
+    sym = {k: (2 if n == "?" else n) for k, n in types.sym.items()}
+    shape = sig.shape_of(t, sym, types.v_layout)
+    return torch.empty(*shape, dtype=_TORCH_DTYPE[types.dtypes[t.dtype]], device="meta")
 
-    idx = torch.int32
-    args = [t(2, a.nhead_k, a.hdim), t(2, a.nhead_k, a.hdim_v), t(2, 2, dtype=idx),
-            t(3, a.page_block_size, a.nhead_k, a.hdim), t(3, a.page_block_size, a.nhead_k, a.hdim_v)]
+
+def example_args(v: Variant) -> list:
+    """Meta tensors (None for absent optional ones) and attribute values
+    shaped like a call of `v`, in the op's argument order."""
+    types = sig.fwd_types(v)
+    tensors = [_meta(a, types) if sig.present(v, a) else None for a in sig.FWD.args]
+    return tensors + list(sig.fwd_attrs(v).values())
+
+
+def _module(op: CustomOp, args: list, name: str, finish=None) -> str:
     ksel = EagerKernelSelection(op, args)
     op.select(ksel)
-    kb = FreeFuncKernelBuilder.create_module(ksel, func_name=a.name)
+    kb = FreeFuncKernelBuilder.create_module(ksel, func_name=name)
     with kb.ip, Location.unknown():
         op.generate(ksel, kb)
-        func = next(o for o in kb.module_op.body.operations if o.operation.name == "func.func")
-        attrs = [DictAttr.get({}) for _ in range(5)]
-        for arg, result in ((3, 0), (4, 1)):
-            attrs[arg] = DictAttr.get({"iree.abi.output": IntegerAttr.get(IndexType.get(), result)})
-        func.operation.attributes["arg_attrs"] = ArrayAttr.get(attrs)
+        if finish:
+            finish(kb)
     kb.module_op.verify()
     return kb.module_op.get_asm()
 
 
-_OPS: dict[str, _PagedKVFwd] = {}
+def _caches_are_outputs(kb: KernelBuilder) -> None:
+    """Marks the two cache arguments as the outputs too (iree.abi.output):
+    IREE writes the results into the caller's cache buffers."""
+    from iree.compiler.ir import ArrayAttr, DictAttr, IndexType, IntegerAttr
+
+    func = next(o for o in kb.module_op.body.operations if o.operation.name == "func.func")
+    names = [a.name for a in sig.APPEND.args]
+    attrs = [DictAttr.get({}) for _ in names]
+    for result, arg in enumerate(("k_cache", "v_cache")):
+        attrs[names.index(arg)] = DictAttr.get({"iree.abi.output": IntegerAttr.get(IndexType.get(), result)})
+    func.operation.attributes["arg_attrs"] = ArrayAttr.get(attrs)
 
 
-def _op(formulation: str) -> _PagedKVFwd:
-    if not _OPS:
-        for cls, key in ((PagedKVFwdExplicit, "explicit"), (PagedKVFwdOnline, "online")):
-            CustomOp.register(cls)
-            fq = f"turbine.{cls.signature.split('(')[0]}"
-            _OPS[key] = ALL_CUSTOM_OP_REGS[fq]
-    return _OPS[formulation]
-
-
-def example_args(v: Variant) -> list:
-    """Meta tensors shaped like a call of `v` (dynamic dims get size 2, so a
-    size-1 axis always means a broadcast axis)."""
-    dt = torch.int8 if v.static_quant else _TORCH_DTYPE[v.dtype]
-    kvt = torch.int8 if v.kv_dtype else dt
-    b = v.batch_tile or 2
-    sq = v.seqlen_q_tile or 2
-    f32 = torch.float32
-
-    def t(*shape, dtype=f32):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    bias = None
-    if v.bias == "elementwise":
-        bb = b if v.bias_shape[0] == "b" else 1
-        bh = v.nhead_q if v.bias_shape[1] == "h" else 1
-        bias = t(bb, bh, sq, 2)
-    return [
-        t(b, sq, v.nhead_q, v.hdim_q, dtype=dt),
-        t(2, v.page_block_size, v.nhead_k, v.hdim_q, dtype=kvt),
-        t(2, v.nhead_k, v.hdim_v, v.page_block_size, dtype=kvt)
-        if v.v_layout == "col"
-        else t(2, v.page_block_size, v.nhead_k, v.hdim_v, dtype=kvt),
-        t(b, 2, dtype=torch.int32),
-        t(b, dtype=torch.int32),
-        t(b, dtype=torch.int32),
-        t(b, dtype=torch.int32),
-        t(4),
-        t(4, dtype=torch.int32),
-        t(b, v.nhead_q) if v.bias == "alibi" else None,
-        bias,
-        t(v.nhead_q) if v.sinks else None,
-        v.mask,
-        int(v.softcap),
-        v.v_layout,
-        v.dtype if v.static_quant else v.kv_dtype,
-        int(v.v_guard),
-    ]
+def render_append(a: AppendKernel) -> str:
+    """MLIR module text for `a`, with public entry point `a.name` whose two
+    cache arguments are also its outputs."""
+    types = sig.append_types(a)
+    return _module(_registered(PagedKVAppend), [_meta(t, types) for t in sig.APPEND.args], a.name,
+                   _caches_are_outputs)
 
 
 def render_variant(v: Variant | AppendKernel) -> str:
     """MLIR module text for `v`, with public entry point `v.name`."""
     if isinstance(v, AppendKernel):
         return render_append(v)
-    op = _op(v.formulation)
-    ksel = EagerKernelSelection(op, example_args(v))
-    op.select(ksel)
-    kb = FreeFuncKernelBuilder.create_module(ksel, func_name=v.name)
-    with kb.ip, Location.unknown():
-        op.generate(ksel, kb)
-    kb.module_op.verify()
-    return kb.module_op.get_asm()
+    cls = PagedKVFwdOnline if v.formulation == "online" else PagedKVFwdExplicit
+    return _module(_registered(cls), example_args(v), v.name)

@@ -16,7 +16,9 @@ Heads, head dims and page size are static in every variant.
 from __future__ import annotations
 
 import dataclasses
-import re
+
+from .naming import NameCodec, Named, enum, number
+from .signature import KERNEL_ABI  # noqa: F401 (re-exported)
 
 # fp8 formats (ml_dtypes / MLIR names): OCP e4m3fn/e5m2 (gfx950, NVIDIA) and
 # the fnuz variants (gfx942).
@@ -35,55 +37,47 @@ V_LAYOUTS = ("row", "col")
 # fp8 KV caches under fp16/bf16 queries.
 KV_DTYPES = FP8_DTYPES
 
-# The kernels' argument list version. Artifacts built for another one are
-# never loaded (the runtime cannot see template changes otherwise). Bump it
-# whenever a template's signature changes.
-KERNEL_ABI = 6
+# KERNEL_ABI, the kernels' argument-list version, is a hash of their
+# declarations (turbine_fmha.signature): artifacts built for another one are
+# never loaded.
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
 # index arithmetic). ALiBi's causal (VERTICAL) form is keyed on it.
 UNBOUNDED = 1 << 30
 
-_MASK_TAG = {"none": "nmask", "top_left": "mtl", "bottom_right": "mbr"}
-_TAG_MASK = {v: k for k, v in _MASK_TAG.items()}
+_MASK_TAG = {"none": "_nmask", "top_left": "_mtl", "bottom_right": "_mbr"}
 
-_NAME_RE = re.compile(
-    r"^pagedkv_fwd_(?P<dtype>f16|bf16|f32|f8e4m3fnuz|f8e4m3fn|f8e5m2fnuz|f8e5m2)"
-    r"_d(?P<hdim_q>\d+)x(?P<hdim_v>\d+)"
-    r"_h(?P<nhead_q>\d+)x(?P<nhead_k>\d+)"
-    r"_pg(?P<page>\d+)(?P<vcol>_vcol)?(?:_kv(?P<kv>f8e4m3fnuz|f8e4m3fn|f8e5m2fnuz|f8e5m2))?"
-    r"_(?P<mask>nmask|mtl|mbr)"
-    r"(?:_(?P<bias>alibi|bias(?P<bias_shape>11|b1|1h|bh)))?"
-    r"(?P<softcap>_softcap)?"
-    r"(?P<sinks>_sink)?"
-    r"_(?P<lse>lse|nlse)"
-    r"_(?P<form>explicit|online)"
-    r"(?:_b(?P<bt>\d+)_q(?P<mq>\d+))?"
-    r"(?P<nvguard>_nvguard)?$"
-)
+
+def _flag(text: str, when=True) -> dict:
+    """A flag's name texts: `text` when the field is `when`, else nothing."""
+    return {when: text, not when: ""}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class Variant:
-    dtype: str
-    hdim_q: int
-    hdim_v: int
-    nhead_q: int
-    nhead_k: int
-    page_block_size: int
-    mask: str = "none"
-    bias: str = "none"
-    bias_shape: str = ""
-    softcap: bool = False
-    sinks: bool = False
+class Variant(Named):
+    # The metadata writes the name (naming.NameCodec): pagedkv_fwd_<dtype>
+    # _d<hdim_q>x<hdim_v>_h<nhead_q>x<nhead_k>_pg<page>[_vcol][_kv<fp8>]
+    # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
+    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard].
+    dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
+    hdim_q: int = dataclasses.field(metadata=number(1, "_d"))
+    hdim_v: int = dataclasses.field(metadata=number(2, "x"))
+    nhead_q: int = dataclasses.field(metadata=number(3, "_h"))
+    nhead_k: int = dataclasses.field(metadata=number(4, "x"))
+    page_block_size: int = dataclasses.field(metadata=number(5, "_pg"))
+    mask: str = dataclasses.field(default="none", metadata=enum(8, _MASK_TAG))
+    bias: str = dataclasses.field(default="none", metadata=enum(9, {"none": "", "alibi": "_alibi", "elementwise": "_bias"}))
+    bias_shape: str = dataclasses.field(default="", metadata=enum(10, {s: s for s in ("",) + BIAS_SHAPES}))
+    softcap: bool = dataclasses.field(default=False, metadata=enum(11, _flag("_softcap")))
+    sinks: bool = dataclasses.field(default=False, metadata=enum(12, _flag("_sink")))
     # V cache layout: "row" [pages, page, nhead_k, hdim_v] or "col"
     # [pages, nhead_k, hdim_v, page] (ck_tile's column-major V).
-    v_layout: str = "row"
+    v_layout: str = dataclasses.field(default="row", metadata=enum(6, {"row": "", "col": "_vcol"}))
     # fp8 KV cache format ("" = same as dtype); queries stay fp16/bf16.
-    kv_dtype: str = ""
-    lse: bool = True
-    formulation: str = "explicit"
+    kv_dtype: str = dataclasses.field(default="", metadata=enum(7, {"": ""} | {k: f"_kv{k}" for k in KV_DTYPES}))
+    lse: bool = dataclasses.field(default=True, metadata=enum(13, {True: "_lse", False: "_nlse"}))
+    formulation: str = dataclasses.field(default="explicit", metadata=enum(14, {f: f"_{f}" for f in FORMULATIONS}))
     # The stale-row guard: zero the value rows that hold no key (the tail of
     # a sequence's last page, the head of its first page with gappy KV)
     # before the PV product, so that non-finite stale values cannot reach
@@ -93,10 +87,10 @@ class Variant:
     # on the H200, and the runtime uses them only after checking that
     # those rows are finite (plan.stale_rows_finite). Both propagate NaN
     # exactly as the reference does.
-    v_guard: bool = True
+    v_guard: bool = dataclasses.field(default=True, metadata=enum(17, _flag("_nvguard", when=False)))
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
-    batch_tile: int = 0
-    seqlen_q_tile: int = 0
+    batch_tile: int = dataclasses.field(default=0, metadata=number(15, "_b", omit=0))
+    seqlen_q_tile: int = dataclasses.field(default=0, metadata=number(16, "_q", omit=0))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -156,63 +150,12 @@ class Variant:
         return self.nhead_q // self.nhead_k
 
     @property
-    def name(self) -> str:
-        s = (
-            f"pagedkv_fwd_{self.dtype}_d{self.hdim_q}x{self.hdim_v}"
-            f"_h{self.nhead_q}x{self.nhead_k}_pg{self.page_block_size}"
-            f"{'_vcol' if self.v_layout == 'col' else ''}"
-            f"{'_kv' + self.kv_dtype if self.kv_dtype else ''}"
-            f"_{_MASK_TAG[self.mask]}"
-        )
-        if self.bias == "alibi":
-            s += "_alibi"
-        elif self.bias == "elementwise":
-            s += f"_bias{self.bias_shape}"
-        if self.softcap:
-            s += "_softcap"
-        if self.sinks:
-            s += "_sink"
-        s += f"_{'lse' if self.lse else 'nlse'}_{self.formulation}"
-        if self.formulation == "online":
-            s += f"_b{self.batch_tile}_q{self.seqlen_q_tile}"
-        if not self.v_guard:
-            s += "_nvguard"
-        return s
-
-    @classmethod
-    def parse(cls, name: str) -> "Variant":
-        m = _NAME_RE.match(name)
-        if not m:
-            raise ValueError(f"not a variant name: {name!r}")
-        g = m.groupdict()
-        return cls(
-            dtype=g["dtype"],
-            hdim_q=int(g["hdim_q"]),
-            hdim_v=int(g["hdim_v"]),
-            nhead_q=int(g["nhead_q"]),
-            nhead_k=int(g["nhead_k"]),
-            page_block_size=int(g["page"]),
-            mask=_TAG_MASK[g["mask"]],
-            bias="alibi" if g["bias"] == "alibi" else ("elementwise" if g["bias"] else "none"),
-            bias_shape=g["bias_shape"] or "",
-            softcap=bool(g["softcap"]),
-            sinks=bool(g["sinks"]),
-            v_layout="col" if g["vcol"] else "row",
-            kv_dtype=g["kv"] or "",
-            lse=g["lse"] == "lse",
-            formulation=g["form"],
-            batch_tile=int(g["bt"] or 0),
-            seqlen_q_tile=int(g["mq"] or 0),
-            v_guard=not g["nvguard"],
-        )
-
-    def __str__(self) -> str:
-        return self.name
-
-    @property
     def problem(self) -> dict:
         """The fields a call must match exactly (all but lse, tiling and the V guard)."""
         return {f: getattr(self, f) for f in PROBLEM_FIELDS}
+
+
+Variant.names = NameCodec(Variant, "pagedkv_fwd")
 
 
 def bias_shape_of(bias) -> str:
@@ -386,42 +329,31 @@ def target_unsupported(variant: Variant, target_kind: str) -> str | None:
     return None
 
 
-_APPEND_RE = re.compile(r"^pagedkv_append_(?P<dtype>f16|bf16|f32|i8)_h(?P<hk>\d+)_d(?P<d>\d+)x(?P<dv>\d+)_pg(?P<page>\d+)$")
+# i8: the bytes of an fp8 cache of any format (a scatter copies bits).
+APPEND_DTYPES = ("f16", "bf16", "f32", "i8")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class AppendKernel:
+class AppendKernel(Named):
     """The in-place append of tokens' K/V into a page pool (PagedKVCache on
     a device). Named and built like the attention variants."""
 
-    dtype: str
-    nhead_k: int
-    hdim: int
-    hdim_v: int
-    page_block_size: int
+    dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in APPEND_DTYPES}))
+    nhead_k: int = dataclasses.field(metadata=number(1, "_h"))
+    hdim: int = dataclasses.field(metadata=number(2, "_d"))
+    hdim_v: int = dataclasses.field(metadata=number(3, "x"))
+    page_block_size: int = dataclasses.field(metadata=number(4, "_pg"))
 
     def __post_init__(self):
-        # i8: the bytes of an fp8 cache of any format (a scatter copies bits).
-        if self.dtype not in ("f16", "bf16", "f32", "i8"):
+        if self.dtype not in APPEND_DTYPES:
             raise ValueError(f"append kernels take f16/bf16/f32/i8 caches, got dtype={self.dtype!r}")
         for f in ("nhead_k", "hdim", "hdim_v", "page_block_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
 
-    @property
-    def name(self) -> str:
-        return f"pagedkv_append_{self.dtype}_h{self.nhead_k}_d{self.hdim}x{self.hdim_v}_pg{self.page_block_size}"
 
-    @classmethod
-    def parse(cls, name: str) -> "AppendKernel":
-        m = _APPEND_RE.match(name)
-        if not m:
-            raise ValueError(f"not an append kernel name: {name!r}")
-        g = m.groupdict()
-        return cls(g["dtype"], int(g["hk"]), int(g["d"]), int(g["dv"]), int(g["page"]))
 
-    def __str__(self) -> str:
-        return self.name
+AppendKernel.names = NameCodec(AppendKernel, "pagedkv_append")
 
 
 def parse_kernel(name: str):

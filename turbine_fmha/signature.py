@@ -1,0 +1,209 @@
+"""The kernels' signatures, each declared once.
+
+In the spirit of sharktank's `mlir_kernel`: a kernel is a list of tensor
+arguments with symbolic dims and a dtype rule, then compile-time attributes,
+then results. Everything else is derived from the declaration: the CustomOp
+signature string and `select()` (turbine_fmha.kernels), the example
+arguments, the MLIR type aliases and function header of each template, the
+argument order the runtime passes (`KERNEL_ARGS`, `call_args`), and
+`KERNEL_ABI`, a hash of the declarations: artifacts built against another
+argument list are never loaded.
+
+Dims are symbols, bound per variant (`fwd_types`). A symbol is static in
+the formulations whose `STATIC` set names it and dynamic ("?") otherwise;
+an int is a static size. "B|1" is the batch axis of a bias that may
+broadcast: B where the bias has it, else a static 1 (likewise "HQ|1").
+
+Dtype rules: "Q" is the query/output type (i8 bytes under fp8 static
+quantization), "KV" the cache type (i8 bytes for an fp8 cache); "f32" and
+"i32" are themselves.
+
+Pure data and string formatting: the runtime imports this without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+# Heads, head dims and page size are always static; the online formulation
+# also fixes batch tile and query rows (on gfx942 a dynamic query length
+# gets no MFMA).
+STATIC = {
+    "explicit": frozenset({"HQ", "HK", "D", "DV", "PG"}),
+    "online": frozenset({"HQ", "HK", "D", "DV", "PG", "B", "S"}),
+    "append": frozenset({"HK", "D", "DV", "PG"}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    dims: tuple
+    dtype: str
+    # The Variant feature that brings an optional tensor ("" = always there).
+    when: str = ""
+    # Dims by v_layout, for a tensor whose layout the variant chooses.
+    layouts: tuple = ()
+
+    @property
+    def optional(self) -> bool:
+        return bool(self.when)
+
+    def dims_for(self, v_layout: str = "row") -> tuple:
+        return dict(self.layouts)[v_layout] if self.layouts else self.dims
+
+
+@dataclasses.dataclass(frozen=True)
+class Attr:
+    name: str
+    kind: str  # "str" or "int"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    args: tuple
+    attrs: tuple
+    results: tuple
+
+
+_STATS = ("B", "HQ", "S")
+
+# The attention forward (both formulations). seqlen_q, seqlen_k and kv_shift
+# are per sequence (kv_shift: gappy KV, key t of sequence b is gathered row
+# kv_shift[b] + t); fparams = [scale, logits_soft_cap, scale_o, scale_p],
+# iparams = [q_start, window_left, window_right, sink_size] (see the
+# templates' prologue). Results: the output, then LSE, row max and row sum
+# of exp(score - max), the split-KV merge's weights.
+FWD = Kernel(
+    "pagedkv_fwd",
+    args=(
+        Tensor("q", ("B", "S", "HQ", "D"), "Q"),
+        Tensor("k_cache", ("NP", "PG", "HK", "D"), "KV"),
+        Tensor("v_cache", (), "KV", layouts=(("row", ("NP", "PG", "HK", "DV")), ("col", ("NP", "HK", "DV", "PG")))),
+        Tensor("block_table", ("B", "W"), "i32"),
+        Tensor("seqlen_q", ("B",), "i32"),
+        Tensor("seqlen_k", ("B",), "i32"),
+        Tensor("kv_shift", ("B",), "i32"),
+        Tensor("fparams", (4,), "f32"),
+        Tensor("iparams", (4,), "i32"),
+        Tensor("alibi_slopes", ("B", "HQ"), "f32", when="alibi"),
+        Tensor("bias", ("B|1", "HQ|1", "S", "N"), "f32", when="elementwise"),
+        Tensor("sinks", ("HQ",), "f32", when="sinks"),
+    ),
+    attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("v_layout", "str"), Attr("kv_dtype", "str"),
+           Attr("v_guard", "int")),
+    results=(
+        Tensor("out", ("B", "S", "HQ", "DV"), "Q"),
+        Tensor("lse", _STATS, "f32"),
+        Tensor("row_max", _STATS, "f32"),
+        Tensor("row_sum", _STATS, "f32"),
+    ),
+)
+
+# The in-place append: slots [n, 2] = (page, row) of each new token; the
+# results are the updated caches.
+APPEND = Kernel(
+    "pagedkv_append",
+    args=(
+        Tensor("k_new", ("T", "HK", "D"), "KV"),
+        Tensor("v_new", ("T", "HK", "DV"), "KV"),
+        Tensor("slots", ("T", 2), "i32"),
+        Tensor("k_cache", ("NP", "PG", "HK", "D"), "KV"),
+        Tensor("v_cache", ("NP", "PG", "HK", "DV"), "KV"),
+    ),
+    attrs=(),
+    results=(Tensor("k_out", ("NP", "PG", "HK", "D"), "KV"), Tensor("v_out", ("NP", "PG", "HK", "DV"), "KV")),
+)
+
+# The attention kernels' tensor arguments in call order; the optional ones
+# are passed only where the variant has them (call_args).
+KERNEL_ARGS = tuple(a.name for a in FWD.args)
+OPTIONAL_ARGS = frozenset(a.name for a in FWD.args if a.optional)
+
+# The kernels' argument-list version: any change to a declaration changes
+# it. (An int: manifests store it as one.)
+# The repr is process-independent: sets are sorted (their own order follows
+# the per-process string hash).
+_CANONICAL = repr(([(k, sorted(v)) for k, v in sorted(STATIC.items())], FWD, APPEND))
+KERNEL_ABI = int(hashlib.sha256(_CANONICAL.encode()).hexdigest()[:12], 16)
+
+
+def present(v, arg: Tensor) -> bool:
+    """Whether Variant `v` takes `arg`."""
+    return {"": True, "alibi": v.bias == "alibi", "elementwise": v.bias == "elementwise", "sinks": v.sinks}[arg.when]
+
+
+def call_args(v) -> tuple:
+    """The names of the tensors a call of Variant `v` passes, in order."""
+    return tuple(a.name for a in FWD.args if present(v, a))
+
+
+def fwd_attrs(v) -> dict:
+    """The attribute values of Variant `v`, in FWD.attrs order. kv_dtype
+    names the fp8 format of K/V, and of Q and the output too under static
+    quantization (q is then i8)."""
+    return dict(mask=v.mask, softcap=int(v.softcap), v_layout=v.v_layout,
+                kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard))
+
+
+@dataclasses.dataclass(frozen=True)
+class Types:
+    """A declaration bound for one variant: `sym` maps each symbol to its
+    size, or "?" where it is dynamic; `dtypes` maps each dtype rule to an
+    MLIR element type."""
+
+    sym: dict
+    dtypes: dict
+    v_layout: str = "row"
+
+
+def _bound(sizes: dict, static: frozenset) -> dict:
+    return {k: (n if k in static else "?") for k, n in sizes.items()}
+
+
+def fwd_types(v) -> Types:
+    """The attention declaration bound for Variant `v`."""
+    sym = _bound({"B": v.batch_tile, "S": v.seqlen_q_tile, "HQ": v.nhead_q, "HK": v.nhead_k, "D": v.hdim_q,
+                  "DV": v.hdim_v, "PG": v.page_block_size, "NP": 0, "W": 0, "N": 0}, STATIC[v.formulation])
+    if v.bias == "elementwise":
+        sym["B|1"] = sym["B"] if v.bias_shape[0] == "b" else 1
+        sym["HQ|1"] = sym["HQ"] if v.bias_shape[1] == "h" else 1
+    q = "i8" if v.static_quant else v.dtype
+    return Types(sym, {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"}, v.v_layout)
+
+
+def append_types(a) -> Types:
+    """The append declaration bound for AppendKernel `a`."""
+    sizes = {"T": 0, "NP": 0, "HK": a.nhead_k, "D": a.hdim, "DV": a.hdim_v, "PG": a.page_block_size}
+    return Types(_bound(sizes, STATIC["append"]), {"KV": a.dtype, "i32": "i32"})
+
+
+def shape_of(t: Tensor, sym: dict, v_layout: str = "row") -> list:
+    return [d if isinstance(d, int) else sym[d] for d in t.dims_for(v_layout)]
+
+
+def tensor_type(t: Tensor, types: Types) -> str:
+    dims = "".join(f"{d}x" for d in shape_of(t, types.sym, types.v_layout))
+    return f"tensor<{dims}{types.dtypes[t.dtype]}>"
+
+
+def mlir_header(kernel: Kernel, args: list, types: Types) -> dict:
+    """What a template needs of its signature: `aliases` (one
+    `!<name>_t = tensor<...>` line per argument and result), `params` (the
+    function's parameter list) and `results` (its result types)."""
+    results = list(kernel.results)
+    return dict(
+        aliases="\n".join(f"!{t.name}_t = {tensor_type(t, types)}" for t in args + results),
+        params=", ".join(f"%{t.name}: !{t.name}_t" for t in args),
+        results=", ".join(f"!{t.name}_t" for t in results),
+    )
+
+
+def custom_op_signature(kernel: Kernel, op_name: str) -> str:
+    """The iree-turbine CustomOp signature string of `kernel`."""
+    params = [f"Tensor{'?' if a.optional else ''} {a.name}" for a in kernel.args]
+    params += [f"{a.kind} {a.name}" for a in kernel.attrs]
+    results = ", ".join("Tensor" for _ in kernel.results)
+    return f"{op_name}({', '.join(params)}) -> ({results})"
