@@ -15,9 +15,10 @@ import pytest
 import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
-from turbine_fmha.plan import MASKED_CHUNK_ROWS, KernelCall, num_splits_heuristic, plan_calls
+from turbine_fmha.mask import MaskSpec
+from turbine_fmha.plan import MASKED_CHUNK_ROWS, KernelCall, kernel_steps, num_splits_heuristic
 from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.variants import UNBOUNDED, Variant
+from turbine_fmha.variants import Variant
 
 
 def _gappy_problem(rng, dtype, sq, lens, *, max_offset, page=16):
@@ -136,12 +137,12 @@ def test_causal_chunks_skip_masked_pages():
     computed."""
     v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right")
     sq = sk = 512
-    c = KernelCall(q=np.zeros((1, sq, 4, 64), np.float16), block_table=np.arange(32, dtype=np.int32)[None],
+    c = KernelCall(rows=sq, q_itemsize=2, nhead_q=4, block_table=np.arange(32, dtype=np.int32)[None],
                    seqlen_q=np.array([sq], np.int32), seqlen_k=np.array([sk], np.int32),
                    kv_shift=np.zeros(1, np.int32), scale=1.0, softcap=0.0, scale_o=1.0, scale_p=1.0,
-                   left=UNBOUNDED, right=0, sink_size=0, alibi_slopes=None, bias=None, sinks=None)
-    widths = [args[1].shape[1] for args, _ in plan_calls(v, c)]
+                   mask=MaskSpec("bottom_right", -1, 0), alibi_slopes=None, bias=None, sinks=None)
+    widths = [st.args[0].shape[1] for st in kernel_steps(v, c)]
     step = MASKED_CHUNK_ROWS // 16
     assert widths == [step * (i + 1) for i in range(sq // MASKED_CHUNK_ROWS)]
-    c.right = UNBOUNDED  # no right edge: nothing to skip
-    assert [args[1].shape[1] for args, _ in plan_calls(v, c)] == [32]
+    c.mask = MaskSpec("bottom_right", -1, -1)  # no right edge: nothing to skip
+    assert [st.args[0].shape[1] for st in kernel_steps(v, c)] == [32]

@@ -6,6 +6,7 @@ needs iree-base-compiler and iree-turbine.
 """
 
 from .api import fmha_fwd_kvcache, fmha_fwd_paged, fmha_fwd_paged_async
+from .attention import PagedAttention
 from .cache import CacheFullError, PagedKVCache
 from .runtime import ArtifactError, Session
 from .variants import Variant
@@ -14,6 +15,7 @@ __all__ = [
     "fmha_fwd_paged",
     "fmha_fwd_paged_async",
     "fmha_fwd_kvcache",
+    "PagedAttention",
     "PagedKVCache",
     "CacheFullError",
     "Session",

@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 
-from .plan import combine_splits, combine_splits_torch
 
 
 def _bf16():
@@ -232,6 +231,8 @@ class _Results:
         return torch.as_tensor(a, device=self.torch_device)
 
     def combine(self, o, lse, m, l, n, sinks):
+        from .plan import combine_splits, combine_splits_torch
+
         if self.torch_device is None:
             return combine_splits(o, lse, m, l, n, sinks)
         return combine_splits_torch(o, lse, m, l, n, sinks)
@@ -250,3 +251,43 @@ def _numpy_to_torch(a: np.ndarray):
 
 def _from_numpy(a: np.ndarray, like):
     return _numpy_to_torch(a).to(like.device)
+
+
+def overlapping(out, arrays: dict) -> str | None:
+    """The name of the first array whose memory overlaps `out`'s."""
+    lo, hi = _byte_range(out)
+    dev = _device_of(out)
+    for name, a in arrays.items():
+        if a is None or not (_is_torch(a) or isinstance(a, np.ndarray)) or _device_of(a) != dev:
+            continue
+        a_lo, a_hi = _byte_range(a)
+        if a_lo < hi and lo < a_hi and a_hi > a_lo:
+            if isinstance(a, np.ndarray) and isinstance(out, np.ndarray):
+                try:
+                    if not np.shares_memory(a, out, max_work=10**6):
+                        continue
+                except _TooHardError:
+                    pass
+            return name
+    return None
+
+
+def _byte_range(a) -> tuple[int, int]:
+    if isinstance(a, np.ndarray):
+        return _byte_bounds(a) if a.size else (0, 0)
+    if a.numel() == 0:
+        return (0, 0)
+    lo = hi = a.data_ptr()
+    for n, st in zip(a.shape, a.stride()):
+        span = (n - 1) * st * a.element_size()
+        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+    return lo, hi + a.element_size()
+
+
+# numpy 2 moved these; numpy 1.24 (the oldest this package takes) has them at the top.
+_byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
+_TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError")
+
+
+def _device_of(a) -> str:
+    return str(a.device) if _is_torch(a) else "cpu"

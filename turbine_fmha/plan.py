@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from .variants import UNBOUNDED, Variant
+from .mask import MaskSpec
+from .variants import Variant
 
 # The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
 # plus probabilities; query rows are chunked to keep that under this size.
@@ -31,9 +32,12 @@ MAX_SPLITS = 64
 
 @dataclasses.dataclass
 class KernelCall:
-    """One validated call, in the form the kernels take."""
+    """One validated batch-mode call without its q, in the form the kernels
+    take: q [batch, rows, nhead_q, hdim_q] comes with each run."""
 
-    q: np.ndarray  # [batch, rows, nhead_q, hdim_q]
+    rows: int  # query rows of each batch entry (q.shape[1])
+    q_itemsize: int
+    nhead_q: int
     block_table: np.ndarray  # [batch, width] int32
     seqlen_q: np.ndarray  # [batch] int32, query rows of each sequence (<= rows)
     seqlen_k: np.ndarray  # [batch] int32
@@ -42,105 +46,94 @@ class KernelCall:
     softcap: float
     scale_o: float  # output multiplier: fp8 V descale; static quant: ck's scale_o
     scale_p: float  # static quant: probabilities are quantized as fp8(p * scale_p)
-    left: int
-    right: int
-    sink_size: int
+    mask: MaskSpec
     alibi_slopes: np.ndarray | None
     bias: np.ndarray | None
     sinks: np.ndarray | None
 
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0]
 
-def plan_calls(variant: Variant, c: KernelCall):
-    """Splits one validated call into kernel calls.
 
-    Yields (args, place): args are the kernel arguments without the caches
-    (q, block_table, seqlen_q, seqlen_k, kv_shift, fparams, iparams, then
-    alibi_slopes / bias / sinks where the variant has them), and place(dst,
-    res) copies a call's results (out, then the [batch, heads, rows] ones:
-    LSE, and the row max and sum where asked for) into the full ones. Explicit variants chunk query rows
-    to bound the score tile; static (online) variants pad the batch (seqlen_k
-    0, page 0) and query rows (zeros; their outputs are dropped) up to the
-    variant's tiles.
-    """
-    q, bt, sq, sk, ks = c.q, c.block_table, c.seqlen_q, c.seqlen_k, c.kv_shift
-    batch, rows = q.shape[0], q.shape[1]
-    nk = bt.shape[1] * variant.page_block_size
+@dataclasses.dataclass
+class Step:
+    """One kernel call of a plan: q rows [s, e) of batch entries [b0, b1),
+    padded to `tile` (batch tile, rows) for static variants; `args` are the
+    kernel arguments after q and the caches; place(dst, res) copies the
+    results into the full outputs (out, then the [batch, heads, rows] ones:
+    LSE, and the row max and sum where asked for)."""
+
+    b0: int
+    b1: int
+    s: int
+    e: int
+    tile: tuple[int, int] | None
+    args: list
+    place: object
+
+    def q(self, q):
+        """This step's q from the full [batch, rows, ...] q."""
+        chunk = q[self.b0 : self.b1, self.s : self.e]
+        if self.tile is None:
+            return _contiguous(chunk)
+        return _pad_axis(_pad_rows(chunk, self.tile[0]), 1, self.tile[1])
+
+
+def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
+    """Splits one validated call into kernel calls. Explicit variants chunk
+    query rows to bound the score tile; static (online) variants pad the
+    batch (seqlen_k 0, page 0) and query rows (zeros; their outputs are
+    dropped) up to the variant's tiles. Arguments follow the kernel
+    signature: block_table, seqlen_q, seqlen_k, kv_shift, fparams, iparams,
+    then alibi_slopes / bias / sinks where the variant has them."""
     fparams = np.array([c.scale, c.softcap, c.scale_o, c.scale_p], np.float32)
+    left, right = c.mask.kernel_sides
     bias = c.bias
+    nk = c.block_table.shape[1] * variant.page_block_size
     if bias is not None and bias.shape[3] != nk:
         # The kernel reads keys up to the table width; keys past seqlen_k are
         # masked, so the padding value does not matter.
-        padded = np.zeros(bias.shape[:3] + (nk,), np.float32)
-        n = min(nk, bias.shape[3])
-        padded[..., :n] = bias[..., :n]
-        bias = padded
+        bias = _pad_axis(bias[..., :nk], 3, nk)
+    mask = c.mask if variant.mask != "none" else MaskSpec()
 
-    def iparams(s):
-        return np.array([s, c.left, c.right, c.sink_size], np.int32)
-
-    def extras(b0, b1, s, e, bt_pad=None, mq=None, nk=None):
-        out = []
+    def step(b0, b1, s, e, tile):
+        pad = (lambda a: _pad_rows(a, tile[0])) if tile else (lambda a: a)
+        w = _pages_needed(variant, c, mask, b0, b1, e)
+        args = [np.ascontiguousarray(pad(c.block_table[b0:b1])[:, :w])]
+        args += [pad(a[b0:b1]) for a in (c.seqlen_q, c.seqlen_k, c.kv_shift)]
+        args += [fparams, np.array([s, left, right, c.mask.sink], np.int32)]
         if c.alibi_slopes is not None:
-            a = c.alibi_slopes[b0:b1]
-            if bt_pad:
-                a = _pad_rows(a, bt_pad)
-            out.append(np.ascontiguousarray(a))
+            args.append(np.ascontiguousarray(pad(c.alibi_slopes[b0:b1])))
         if bias is not None:
-            bb = bias[b0:b1] if bias.shape[0] != 1 else bias
-            bb = bb[:, :, s:e, :nk]
-            if bt_pad:
-                if bias.shape[0] != 1:
-                    bb = _pad_rows(bb, bt_pad)
-                bb = _pad_axis(bb, 2, mq)
-            out.append(np.ascontiguousarray(bb))
+            bb = bias[:, :, s:e, : w * variant.page_block_size]
+            if bias.shape[0] != 1:
+                bb = pad(bb[b0:b1])
+            args.append(np.ascontiguousarray(_pad_axis(bb, 2, tile[1]) if tile else bb))
         if c.sinks is not None:
-            out.append(c.sinks)
-        return out
-
-    def table(b0, b1, s, e, rows_bt):
-        # The block table (and bias) cut after the last page that query rows
-        # [s, e) of sequences b0:b1 can see.
-        w = _pages_needed(variant, c, b0, b1, e, rows_bt.shape[1])
-        return np.ascontiguousarray(rows_bt[:, :w]), w * variant.page_block_size
+            args.append(c.sinks)
+        return Step(b0, b1, s, e, tile, args, _placer(b0, b1, s, e))
 
     if variant.formulation == "explicit":
         # f32 scores plus probabilities in q's type (f16 for fp8 q).
-        per_row = batch * q.shape[2] * nk * (4 + max(2, q.itemsize))
+        per_row = c.batch * c.nhead_q * nk * (4 + max(2, c.q_itemsize))
         chunk = max(1, SCORE_BYTES_BUDGET // max(1, per_row))
-        if _has_right_edge(variant, c):
+        if mask.has_right_edge:
             chunk = min(chunk, MASKED_CHUNK_ROWS)
-        for s in range(0, rows, chunk):
-            e = min(rows, s + chunk)
-
-            def place(dst, res, s=s, e=e):
-                dst[0][:, s:e] = res[0]
-                for d, r in zip(dst[1:], res[1:]):
-                    d[:, :, s:e] = r
-
-            bt_s, nk_s = table(0, batch, s, e, bt)
-            args = [_contiguous(q[:, s:e]), bt_s, sq, sk, ks, fparams, iparams(s)]
-            yield args + extras(0, batch, s, e, nk=nk_s), place
-        return
+        return [step(0, c.batch, s, min(c.rows, s + chunk), None) for s in range(0, c.rows, chunk)]
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
-    for b0 in range(0, batch, bt_t):
-        b1 = min(batch, b0 + bt_t)
+    return [step(b0, min(c.batch, b0 + bt_t), s, min(c.rows, s + mq), (bt_t, mq))
+            for b0 in range(0, c.batch, bt_t) for s in range(0, c.rows, mq)]
+
+
+def _placer(b0, b1, s, e):
+    def place(dst, res):
         nb = b1 - b0
-        bt_pad = _pad_rows(bt[b0:b1], bt_t)
-        sq_pad = _pad_rows(sq[b0:b1], bt_t)
-        sk_pad = _pad_rows(sk[b0:b1], bt_t)
-        ks_pad = _pad_rows(ks[b0:b1], bt_t)
-        for s in range(0, rows, mq):
-            e = min(rows, s + mq)
-            q_pad = _pad_axis(_pad_rows(q[b0:b1, s:e], bt_t), 1, mq)
+        dst[0][b0:b1, s:e] = res[0][:nb, : e - s]
+        for d, r in zip(dst[1:], res[1:]):
+            d[b0:b1, :, s:e] = r[:nb, :, : e - s]
 
-            def place(dst, res, b0=b0, b1=b1, nb=nb, s=s, e=e):
-                dst[0][b0:b1, s:e] = res[0][:nb, : e - s]
-                for d, r in zip(dst[1:], res[1:]):
-                    d[b0:b1, :, s:e] = r[:nb, :, : e - s]
-
-            bt_s, nk_s = table(b0, b1, s, e, bt_pad)
-            args = [q_pad, bt_s, sq_pad, sk_pad, ks_pad, fparams, iparams(s)]
-            yield args + extras(b0, b1, s, e, bt_t, mq, nk=nk_s), place
+    return place
 
 
 def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
@@ -148,7 +141,7 @@ def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
 
 
 def _contiguous(a):
-    # q may be a torch tensor (api's torch path keeps it on its device).
+    # q may be a torch tensor (the torch path keeps it on its device).
     return np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a.contiguous()
 
 
@@ -164,24 +157,16 @@ def _pad_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
     return out
 
 
-def _has_right_edge(variant: Variant, c: KernelCall) -> bool:
-    return variant.mask != "none" and c.right < UNBOUNDED
-
-
-def _pages_needed(variant: Variant, c: KernelCall, b0: int, b1: int, row_end: int, width: int) -> int:
-    """Table columns that query rows below `row_end` of sequences b0:b1 can
-    reach: with a right mask edge, key t is visible only if t <= i + shift +
-    right (sink tokens too, IsOutOfSinkBound), so later pages are skipped."""
-    b1 = min(b1, c.seqlen_k.shape[0])
-    if not _has_right_edge(variant, c) or b1 <= b0:
+def _pages_needed(variant: Variant, c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_end: int) -> int:
+    """Table columns that query rows below `row_end` of entries b0:b1 can
+    reach: with a right mask edge, later pages are never read (ck_tile
+    skips those blocks the same way)."""
+    width = c.block_table.shape[1]
+    if not mask.has_right_edge or b1 <= b0:
         return width
-    sq = c.seqlen_q[b0:b1].astype(np.int64)
-    sk = c.seqlen_k[b0:b1].astype(np.int64)
-    shift = sk - sq if variant.mask == "bottom_right" else 0
-    keys = np.clip(row_end + shift + c.right, 0, sk)  # keys t < keys are reachable
+    keys = mask.keys_reachable(row_end, c.seqlen_q[b0:b1], c.seqlen_k[b0:b1])
     rows = keys + c.kv_shift[b0:b1].astype(np.int64)  # gathered rows n < rows
-    page = variant.page_block_size
-    return int(min(width, max(1, -(-int(rows.max()) // page))))
+    return int(min(width, max(1, -(-int(rows.max()) // variant.page_block_size))))
 
 
 def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.ndarray:
@@ -218,7 +203,8 @@ def num_splits_heuristic(work_items: int, units: int, keys: int) -> int:
 
 def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
     """The call as n partial calls over disjoint runs of block-table columns,
-    stacked as batch entries b * n + j. Entry (b, j) keeps absolute key
+    stacked as batch entries b * n + j (q is repeated likewise: see
+    repeat_rows). Entry (b, j) keeps absolute key
     positions (kv_shift - first column * page, which may be negative), so
     masks and ALiBi are unchanged, and every key lands in exactly one split.
     Sinks are left to combine_splits."""
@@ -246,11 +232,16 @@ def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
     def rep(a):
         return None if a is None else np.repeat(a, n, axis=0)
 
-    q = rep(c.q) if isinstance(c.q, np.ndarray) else c.q.repeat_interleave(n, dim=0)
     return dataclasses.replace(
-        c, q=q, block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
+        c, block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
         kv_shift=shift.astype(np.int32), alibi_slopes=rep(c.alibi_slopes), bias=bias, sinks=None,
     )
+
+
+def repeat_rows(q, n: int):
+    """q [batch, ...] with each entry repeated n times in a row (split_kv's
+    entries), numpy or torch."""
+    return np.repeat(q, n, axis=0) if isinstance(q, np.ndarray) else q.repeat_interleave(n, dim=0)
 
 
 def combine_splits(o: np.ndarray, lse: np.ndarray, m: np.ndarray, l: np.ndarray, n: int,
@@ -322,37 +313,39 @@ def torch_rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
     return bool(torch.isfinite(rows).all())
 
 
-def stale_rows_finite(v_cache: np.ndarray, block_table: np.ndarray, seqlen_k: np.ndarray,
-                      kv_shift: np.ndarray, page: int, rows_finite=_rows_finite) -> bool:
-    """Whether the V rows that a kernel reads but that hold no key are
-    finite, so that a variant without the stale-row guard gives exact
-    results (Variant.v_guard). Stale K rows do not matter: the online
-    kernels turn a NaN/+Inf score into a sentinel that the mask removes.
+def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):
+    """The V rows that a kernel reads but that hold no key, as (pages, sel)
+    pairs: cache[pages][sel] are those rows. A variant without the
+    stale-row guard gives exact results only if they are finite
+    (Variant.v_guard). Stale K rows do not matter: the online kernels turn a
+    NaN/+Inf score into a sentinel that the mask removes.
 
     Those rows are the tail of each sequence's last page (past seqlen_k) and,
     with gappy KV, the head of its first page (before kv_shift). Unused
     table slots read the sequence's own first page, or another sequence's
-    for one without keys (fill_unused_slots). The cache is row-major
-    [pages, page, heads, dim]. False when no sequence has a key (every page
-    read would then be unchecked). rows_finite(cache, pages, sel) checks
-    cache[pages][sel]: numpy by default, torch_rows_finite for torch caches.
-    """
+    for one without keys (fill_unused_slots). None when no sequence has a
+    key (every page read would then be unchecked)."""
     sk = seqlen_k.astype(np.int64)
     ks = kv_shift.astype(np.int64)
     rows = np.arange(page)[None, :]
     have = sk > 0
     if not have.any():
-        return False
+        return None
     last_col = (ks + sk - 1) // page
     b = np.nonzero(have)[0]
-    last = block_table[b, last_col[b]]
     tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
-    first = block_table[b, 0]
     head = rows < ks[b][:, None]  # rows before the first key (first page)
-    for pages, sel in ((last, tail), (first, head)):
-        if sel.any() and not rows_finite(v_cache, pages, sel):
-            return False
-    return True
+    return [(pages, sel) for pages, sel in ((block_table[b, last_col[b]], tail), (block_table[b, 0], head))
+            if sel.any()]
+
+
+def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray,
+                      kv_shift: np.ndarray, page: int, rows_finite=_rows_finite) -> bool:
+    """Whether the stale_rows of a row-major cache [pages, page, heads, dim]
+    are finite. rows_finite(cache, pages, sel) checks cache[pages][sel]:
+    numpy by default, torch_rows_finite for torch caches."""
+    pairs = stale_rows(block_table, seqlen_k, kv_shift, page)
+    return pairs is not None and all(rows_finite(v_cache, pages, sel) for pages, sel in pairs)
 
 
 def fill_unused_slots(block_table: np.ndarray, used: np.ndarray) -> None:

@@ -1,0 +1,182 @@
+"""PagedAttention: plan once per batch step, run per layer (issue 13).
+
+Every run is checked against the float64 reference on fresh random caches
+(one pair per "layer", the same tables), with garbage in unused table
+slots and NaN in spare pages (conftest.make_problem).
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import turbine_fmha
+from conftest import LSE_TOL, OUT_TOL, make_problem
+from test_validation import _TrapSession
+from turbine_fmha.cache import aligned_zeros
+from turbine_fmha.reference import fmha_fwd_paged_ref
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    err = np.abs(out.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert err <= OUT_TOL[dtype], f"output rel err {err:.3e}"
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    if fin.any():
+        assert np.abs(lse[fin] - ref_lse[fin]).max() <= LSE_TOL[dtype]
+
+
+def _layers(rng, n, k, v):
+    """n more (k, v) pairs shaped like k, v, spare pages NaN like make_problem's."""
+    out = []
+    for _ in range(n):
+        k2 = rng.standard_normal(k.shape).astype(k.dtype)
+        v2 = rng.standard_normal(v.shape).astype(v.dtype)
+        k2[np.isnan(k).any(axis=(1, 2, 3))] = np.nan
+        v2[np.isnan(v).any(axis=(1, 2, 3))] = np.nan
+        out.append((k2, v2))
+    return out
+
+
+CASES = {
+    "decode": dict(seqlen_q=1, kw=dict(mask_type="bottom_right", window_size_right=0)),
+    "prefill_causal": dict(seqlen_q=37, kw=dict(mask_type="bottom_right", window_size_right=0)),
+    "decode_split_alibi": dict(seqlen_q=1, kw=dict(num_splits=2, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32))),
+    "window_sinks": dict(seqlen_q=5, kw=dict(mask_type="top_left", window_size_left=3, window_size_right=0, sink_size=2,
+                                             sinks=np.array([0.5, -1.0, 0.0, 2.0], np.float32))),
+}
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plan_once_run_many_layers(explicit_session, online_session, rng, formulation, case):
+    session = explicit_session if formulation == "explicit" else online_session
+    c = CASES[case]
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=c["seqlen_q"], seqlens_k=[40, 17, 70],
+                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16",
+        seqlen_q=c["seqlen_q"], **c["kw"])
+    for kl, vl in [(k, v)] + _layers(rng, 2, k, v):
+        ql = rng.standard_normal(q.shape).astype(np.float16)
+        out, lse = attn.run(ql, kl, vl, return_lse=True)
+        kw = {n: x for n, x in c["kw"].items() if n != "num_splits"}
+        ref, ref_lse = fmha_fwd_paged_ref(ql, kl, vl, bt, sk, **kw)
+        _check(out, lse, ref, ref_lse, "f16")
+        # The one-shot API is a plan and a run: the same bits.
+        one = turbine_fmha.fmha_fwd_paged(ql, kl, vl, bt, sk, session=session, **c["kw"])
+        np.testing.assert_array_equal(out, one)
+
+
+def test_group_mode_plan(explicit_session, rng):
+    lens_q = [3, 1, 0, 6]
+    seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    _, k, v, bt, sk = make_problem(rng, dtype="bf16", batch=4, seqlen_q=1, seqlens_k=[20, 33, 5, 16],
+                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    attn = turbine_fmha.PagedAttention(explicit_session).plan(
+        bt, sk, seqstart_q=seqstart, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64,
+        dtype=k.dtype, mask_type="bottom_right", window_size_right=0)
+    for kl, vl in [(k, v)] + _layers(rng, 1, k, v):
+        q = rng.standard_normal((int(seqstart[-1]), 4, 64)).astype(k.dtype)
+        out, lse = attn.run(q, kl, vl, return_lse=True)
+        ref, ref_lse = fmha_fwd_paged_ref(q, kl, vl, bt, sk, seqstart_q=seqstart, mask_type="bottom_right",
+                                          window_size_right=0)
+        _check(out, lse, ref, ref_lse, "bf16")
+
+
+@pytest.fixture
+def planned(rng, tmp_path):
+    trap = _TrapSession("cpu", artifact_dir=tmp_path)
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5],
+                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    attn = turbine_fmha.PagedAttention(trap).plan(bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4,
+                                                  nhead_k=2, hdim=64, dtype="f16", seqlen_q=3)
+    return attn, (q, k, v)
+
+
+RUN_BAD = {
+    "k_cache_pages": (lambda q, k, v: (q, k[:-1], v), ValueError, "k_cache must have shape"),
+    "v_cache_dtype": (lambda q, k, v: (q, k, v.astype(np.float32)), ValueError, "v_cache must have shape"),
+    "q_rows": (lambda q, k, v: (q[:, :2], k, v), ValueError, "q must have shape"),
+    "q_dtype": (lambda q, k, v: (q.astype(np.float32), k, v), ValueError, "q must have shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_BAD))
+def test_run_with_arrays_unlike_the_plan(planned, case):
+    attn, arrays = planned
+    mutate, exc, words = RUN_BAD[case]
+    with pytest.raises(exc, match=words):
+        attn.run(*mutate(*arrays))
+
+
+def test_run_with_a_tensor_on_another_device(planned):
+    torch = pytest.importorskip("torch")
+    attn, (q, k, v) = planned
+    with pytest.raises(ValueError, match="k_cache is a torch tensor on meta"):
+        attn.run(q, torch.from_numpy(k).to("meta"), v)
+
+
+PLAN_BAD = {
+    "page_out_of_range": (lambda bt, sk: (np.where(bt == bt[0, 0], 10**6, bt), sk), "block_table[0, 0]"),
+    "seqlen_k_capacity": (lambda bt, sk: (bt, np.array([20, 10**6], np.int32)), "seqlen_k[1]"),
+    "seqlen_k_rows": (lambda bt, sk: (bt, sk[:1]), "seqlen_k has 1 entries"),
+    "block_table_float": (lambda bt, sk: (bt.astype(np.float32), sk), "block_table must be an integer array"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_BAD))
+def test_plan_refuses_bad_tables_before_anything_runs(rng, tmp_path, case):
+    trap = _TrapSession("cpu", artifact_dir=tmp_path)
+    _, k, _, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[20, 5],
+                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    mutate, words = PLAN_BAD[case]
+    with pytest.raises((ValueError, TypeError), match=words.replace("[", r"\[")):
+        turbine_fmha.PagedAttention(trap).plan(*mutate(bt, sk), num_pages=k.shape[0], page_block_size=16,
+                                               nhead_q=4, nhead_k=2, hdim=64, dtype="f16")
+
+
+def test_run_before_plan(explicit_session, rng):
+    with pytest.raises(RuntimeError, match="before plan"):
+        turbine_fmha.PagedAttention(explicit_session).run(*make_problem(
+            rng, dtype="f16", batch=1, seqlen_q=1, seqlens_k=[3], nhead_q=4, nhead_k=2, hdim=64, page=16)[:3])
+
+
+def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
+    """A 256 MB pool per cache, read in place: run() allocates on the host
+    nothing near the cache's size, and both caches reach the kernel as
+    imports of their own memory (no IREE upload)."""
+    pages, page, hk, d = 4096, 16, 2, 512
+    k = aligned_zeros((pages, page, hk, d), np.float16)
+    v = aligned_zeros((pages, page, hk, d), np.float16)
+    bt = np.array([[7, 4000, 123]], np.int32)
+    sk = np.array([40], np.int32)
+    for p in bt[0]:
+        k[p] = rng.standard_normal((page, hk, d)).astype(np.float16)
+        v[p] = rng.standard_normal((page, hk, d)).astype(np.float16)
+    q = rng.standard_normal((1, 1, 4, d)).astype(np.float16)
+    attn = turbine_fmha.PagedAttention(explicit_session).plan(bt, sk, num_pages=pages, page_block_size=page,
+                                                              nhead_q=4, nhead_k=hk, hdim=d, dtype="f16")
+    attn.run(q, k, v)  # loads the kernel
+    imported = []
+    real = explicit_session.import_host
+
+    def spy(a):
+        r = real(a)
+        imported.append((a.nbytes, r is not None and r._host_keepalive is a))
+        return r
+
+    explicit_session.import_host = spy
+    try:
+        tracemalloc.start()
+        out = attn.run(q, k, v)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        del explicit_session.import_host
+    assert imported == [(k.nbytes, True), (v.nbytes, True)]
+    assert peak < 4 << 20, f"run() allocated {peak / 2**20:.1f} MB on the host"
+    ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()

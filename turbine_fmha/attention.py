@@ -1,0 +1,340 @@
+"""Plan once, run many times: `PagedAttention` (FlashInfer's plan/run).
+
+A serving engine calls attention once per layer per step with the same
+tables. `plan` validates the tables and the score terms, chooses the
+variants, cuts the work into kernel calls (chunks, tiles, split-KV) and puts
+every table on the device once; `run` checks only what may differ between
+layers (q, the caches, out) and invokes. `fmha_fwd_paged` is a plan and a
+run on the arrays it is given.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .arrays import (
+    _cache_array,
+    _check_tensor_devices,
+    _DeviceCache,
+    _from_numpy,
+    _is_torch,
+    _Results,
+    _TensorInfo,
+    _to_numpy,
+    _torch_np_dtype,
+    _TorchDeviceCache,
+    kernel_host_array,
+    overlapping,
+)
+from .modes import active_sequences, bias_rows, gappy_table, regroup
+from .plan import (
+    KernelCall,
+    _rows_finite,
+    kernel_steps,
+    num_splits_heuristic,
+    repeat_rows,
+    split_kv,
+    stale_rows,
+    torch_rows_finite,
+)
+from .problem import Problem, layout_of_params, problem, scores, tables
+from .runtime import Session, default_session
+from .variants import bias_shape_of
+
+DEVICES = ("cpu", "cuda", "hip")
+
+
+def resolve_session(session, device: str) -> Session:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if session is None:
+        return default_session(device)
+    if not isinstance(session, Session):
+        raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
+    if session.device != device:
+        raise ValueError(f"session is for device {session.device!r}, call asked for {device!r}")
+    return session
+
+
+class PagedAttention:
+    """Paged-KV attention planned once per batch step and run per layer.
+
+        attn = turbine_fmha.PagedAttention(session, device="cuda")
+        attn.plan(block_table, seqlen_k, num_pages=..., page_block_size=16,
+                  nhead_q=32, nhead_k=8, hdim=128, dtype="f16", mask_type="bottom_right")
+        for layer in layers:
+            out = attn.run(q[layer], k_cache[layer], v_cache[layer])
+
+    plan() takes the tables and every argument of fmha_fwd_paged that is
+    not an array of the layer (see there for their meaning), plus the
+    layout the caches have: num_pages, page_block_size, nhead_q, nhead_k,
+    hdim (hdim_v), dtype (q's: numpy/torch dtype or "f16"/"bf16"/"f32"),
+    kv_dtype (an fp8 cache format) and v_layout; in batch mode seqlen_q (q
+    rows per sequence, default 1), in group mode seqstart_q. Invalid tables
+    raise there, naming the argument, before anything runs.
+
+    run(q, k_cache, v_cache, out=None, return_lse=False) takes the layer's
+    arrays, which must match the plan (q [batch, seqlen_q, nhead_q, hdim] or
+    [total_q, nhead_q, hdim]; caches of the planned layout), on the
+    session's device or the host, and returns like fmha_fwd_paged. With
+    kv_rows_finite=None, each run checks its V cache's stale rows (a look at
+    one or two pages per sequence); True skips the check.
+    """
+
+    def __init__(self, session: Session | None = None, *, device: str | None = None):
+        device = device or (session.device if isinstance(session, Session) else "cpu")
+        self.session = resolve_session(session, device)
+        self._plan: _Plan | None = None
+
+    def plan(self, block_table, seqlen_k, *, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None,
+             dtype="f16", kv_dtype=None, v_layout="row", seqlen_q=1, seqstart_q=None, kv_offset=None,
+             min_seqlen_q=0, num_splits=None, kv_rows_finite=None, **score_terms) -> "PagedAttention":
+        _check_tensor_devices(self.session.device, block_table=block_table, seqlen_k=seqlen_k,
+                              seqstart_q=seqstart_q, kv_offset=kv_offset,
+                              **{k: v for k, v in score_terms.items() if k in ("alibi_slopes", "bias", "sinks")})
+        layout = layout_of_params(num_pages=num_pages, page_block_size=page_block_size, nhead_q=nhead_q,
+                                  nhead_k=nhead_k, hdim=hdim, hdim_v=hdim_v, dtype=dtype, kv_dtype=kv_dtype,
+                                  v_layout=v_layout)
+        if seqstart_q is None:
+            rows = np.shape(_to_numpy(block_table, "block_table"))
+            from .checks import check_int
+
+            q_shape = (rows[0] if rows else 0, check_int(seqlen_q, "seqlen_q", minimum=0))
+        else:
+            starts = _to_numpy(seqstart_q, "seqstart_q")
+            q_shape = (int(starts[-1]) if starts.ndim == 1 and starts.size else 0,)
+        t = tables(block_table, seqlen_k, layout, q_shape=q_shape, seqstart_q=seqstart_q, kv_offset=kv_offset)
+        s = scores(layout, t, **score_terms)
+        p = problem(layout, t, s, min_seqlen_q=min_seqlen_q, num_splits=num_splits, kv_rows_finite=kv_rows_finite)
+        self._plan = _Plan(p, self.session)
+        return self
+
+    def run(self, q, k_cache, v_cache, *, out=None, return_lse: bool = False):
+        if self._plan is None:
+            raise RuntimeError("PagedAttention.run() before plan()")
+        return self._plan.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
+
+
+class _Plan:
+    """Everything about a call that does not depend on q or the caches."""
+
+    def __init__(self, p: Problem, session: Session):
+        self.p, self.session = p, session
+        t, lay, s = p.tables, p.layout, p.scores
+        self.active = active_sequences(t, p.min_seqlen_q)
+        self.rows = int(t.seqlens_q[self.active].max()) if self.active.size else 0
+        self._variants: dict[bool, object] = {}
+        self._steps: dict[object, list] = {}
+        self._index: dict[object, tuple] = {}
+        if self.rows == 0:
+            return
+        bt, shift = gappy_table(t, self.active, lay.page_block_size)
+        bias = None if s.bias is None else bias_rows(s.bias, t, self.active, self.rows, shift,
+                                                      bt.shape[1] * lay.page_block_size)
+        call = KernelCall(
+            rows=self.rows, q_itemsize=lay.q_dtype.itemsize, nhead_q=lay.nhead_q, block_table=bt,
+            seqlen_q=t.seqlens_q[self.active].astype(np.int32), seqlen_k=t.seqlen_k[self.active].astype(np.int32),
+            kv_shift=shift.astype(np.int32), scale=s.scale * s.q_scale * s.k_scale, softcap=s.softcap,
+            scale_o=s.v_scale / (s.p_scale * s.out_scale) if lay.static_quant else s.v_scale, scale_p=s.p_scale,
+            mask=s.mask, alibi_slopes=None if s.alibi_slopes is None else np.ascontiguousarray(
+                s.alibi_slopes[self.active], np.float32), bias=bias, sinks=s.sinks)
+        self.stale = stale_rows(bt, call.seqlen_k, call.kv_shift, lay.page_block_size)
+        self.splits = min(self._split_count(call), bt.shape[1])
+        self.call = split_kv(call, lay.page_block_size, self.splits) if self.splits > 1 else call
+        key = dict(p.key, bias_shape=bias_shape_of(self.call.bias), sinks=p.key["sinks"] and self.splits == 1)
+        if self.rows == 1 and not s.mask.decode_needs_mask(s.alibi_slopes is not None) \
+                and session.serves(dict(key, mask="none")):
+            key["mask"] = "none"  # GPU default sets have decode tiles only without a mask
+        self.key = key
+        self.guard_free = (session._formulation_for(key) == "online" and lay.v_layout == "row"
+                           and not lay.kv_dtype)
+
+    def _split_count(self, call: KernelCall) -> int:
+        if self.p.num_splits is not None:
+            return self.p.num_splits
+        if self.p.layout.static_quant:
+            return 1
+        # Work items: sequences x query heads x 64-row query blocks, as in
+        # ck_tile (docs/perf-notes.md has the measurements behind it).
+        work = call.batch * self.p.layout.nhead_q * -(-self.rows // 64)
+        return num_splits_heuristic(work, self.session.compute_units, int(call.seqlen_k.max()))
+
+    def _variant(self, rows_finite: bool):
+        v = self._variants.get(rows_finite)
+        if v is None:
+            v = self._variants[rows_finite] = self.session.select(self.key, self.rows, self.call.batch, rows_finite)
+        return v
+
+    def _device_steps(self, variant) -> list:
+        """The variant's kernel calls, their tables on the device (once)."""
+        steps = self._steps.get(variant)
+        if steps is None:
+            import iree.runtime as rt
+
+            dev = self.session.device_of()
+            steps = kernel_steps(variant, self.call)
+            for st in steps:
+                st.args = [rt.asdevicearray(dev, np.ascontiguousarray(a)) for a in st.args]
+            self._steps[variant] = steps
+        return steps
+
+    def _rows_finite(self, v_cache) -> bool:
+        """Whether the V rows the kernels read past the keys are finite (an
+        unguarded variant may then run)."""
+        if not self.guard_free:
+            return False
+        if self.p.kv_rows_finite is not None:
+            return self.p.kv_rows_finite
+        if self.stale is None:
+            return False
+        if isinstance(v_cache, _TorchDeviceCache):
+            return all(torch_rows_finite(v_cache.tensor, pages, sel) for pages, sel in self.stale)
+        if isinstance(v_cache, _DeviceCache):
+            return False  # IREE device arrays are not looked at
+        return all(_rows_finite(v_cache, pages, sel) for pages, sel in self.stale)
+
+    def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
+        lay, session = self.p.layout, self.session
+        _check_tensor_devices(session.device, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+        like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        results = _Results(session, like if torch_results else None)
+        q = like.detach() if torch_results else _to_numpy(like, "q")
+        t = self.p.tables
+        out_shape = tuple(q.shape[:-1]) + (lay.hdim_v,)
+        if out is None:
+            out = results.empty(out_shape, lay.q_dtype, fill=0 if self.p.min_seqlen_q else None)
+        lse = results.empty((t.batch, lay.nhead_q, t.seqlen_q) if not t.group
+                            else (lay.nhead_q, t.total_q), np.float32, fill=-np.inf)
+        if self.rows:
+            self._compute(q, kc, vc, v_cache if not _is_torch(v_cache) else vc, results, out, lse)
+        if torch_results or not _is_torch(like):
+            return (out, lse) if return_lse else out
+        out_t = _from_numpy(out, like)
+        return (out_t, _from_numpy(lse, like)) if return_lse else out_t
+
+    def _arrays(self, q, k_cache, v_cache, out):
+        """Checks the layer's arrays against the plan; returns (q, k and v
+        as the kernels take them, whether results stay torch tensors)."""
+        lay, t, session = self.p.layout, self.p.tables, self.session
+        info = _TensorInfo(q) if _is_torch(q) else _to_numpy(q, "q")
+        want = ((t.total_q,) if t.group else (t.batch, t.seqlen_q)) + (lay.nhead_q, lay.hdim_q)
+        if tuple(info.shape) != want or info.dtype != lay.q_dtype:
+            raise ValueError(f"q must have shape {list(want)} and dtype {lay.q_dtype} (as planned), "
+                             f"got {list(info.shape)} {info.dtype}")
+        caches = []
+        for name, a, shape in (("k_cache", k_cache, lay.k_shape), ("v_cache", v_cache, lay.v_shape)):
+            c = _cache_array(a, name)
+            if tuple(c.shape) != shape or c.dtype != lay.cache_dtype:
+                raise ValueError(f"{name} must have shape {list(shape)} and dtype {lay.cache_dtype} (as planned), "
+                                 f"got {list(c.shape)} {c.dtype}")
+            caches.append(c)
+        if isinstance(caches[0], _DeviceCache) != isinstance(caches[1], _DeviceCache):
+            raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
+        torch_results = (_is_torch(q) and not lay.static_quant and (out is None or _is_torch(out))
+                         and str(q.device) == session.torch_device)
+        if out is not None:
+            _check_out(out, q, torch_results, (info.shape[:-1] + (lay.hdim_v,)), lay.q_dtype,
+                       dict(q=q, k_cache=k_cache, v_cache=v_cache), session)
+        return q, *self._kernel_caches(caches), torch_results
+
+    def _kernel_caches(self, caches):
+        out = []
+        for name, c in zip(("k_cache", "v_cache"), caches):
+            if isinstance(c, _TorchDeviceCache):  # its device was checked on entry
+                c.bind(self.session)
+                out.append(c)
+            elif isinstance(c, _DeviceCache):
+                if c.array._device is not self.session.device_of():
+                    raise ValueError(f"{name} is a DeviceArray of another device than the session's "
+                                     f"({self.session.device})")
+                out.append(c)
+            else:
+                out.append(c)
+        return out
+
+    def _compute(self, q, k_cache, v_cache, v_check, results, out, lse):
+        lay, t = self.p.layout, self.p.tables
+        variant = self._variant(self._rows_finite(v_check))
+        kc, vc = (_kernel_cache(c, lay, self.session) for c in (k_cache, v_cache))
+        qb = self._batch_q(q, results)
+        if lay.static_quant:
+            qb = qb.view(np.int8)  # fp8 travels as i8
+        if self.splits > 1:
+            qb = repeat_rows(qb, self.splits)
+        n, rows = self.call.batch, self.rows
+        if t.group:
+            out_b = results.empty((self.active.size, rows, lay.nhead_q, lay.hdim_v), lay.q_dtype)
+            lse_b = results.empty((self.active.size, lay.nhead_q, rows), np.float32)
+        else:
+            out_b, lse_b = out, lse
+        dst = [out_b.view(np.int8) if lay.static_quant else out_b, lse_b]
+        if self.splits > 1:
+            dst = [results.empty((n, rows, lay.nhead_q, lay.hdim_v), lay.q_dtype)]
+            dst += [results.empty((n, lay.nhead_q, rows), np.float32) for _ in range(3)]
+        for st in self._device_steps(variant):
+            st.place(dst, results.run(variant, st.q(qb), kc, vc, *st.args, stats=len(dst) > 2))
+        if self.splits > 1:
+            o_c, l_c = results.combine(*dst, self.splits, self.p.scores.sinks)
+            out_b[...] = o_c  # rounded to q's dtype once
+            lse_b[...] = l_c
+        if t.group:
+            src, dst_rows = self._indices(results)
+            out[src] = out_b.reshape((self.active.size * rows, lay.nhead_q, lay.hdim_v))[dst_rows]
+            lse[:, src] = lse_b.swapaxes(0, 1).reshape((lay.nhead_q, self.active.size * rows))[:, dst_rows]
+
+    def _indices(self, results):
+        key = str(results.torch_device)
+        idx = self._index.get(key)
+        if idx is None:
+            src, dst = regroup(self.p.tables, self.active, self.rows)
+            idx = self._index[key] = (results.index(src), results.index(dst))
+        return idx
+
+    def _batch_q(self, q, results):
+        """q as [entries, rows, heads, dim]: varlen rows regrouped by one
+        gather (one launch on a GPU, not one per sequence)."""
+        if not self.p.tables.group:
+            return q.contiguous() if _is_torch(q) else np.ascontiguousarray(q)
+        src, dst = self._indices(results)
+        qb = results.empty((self.active.size, self.rows) + tuple(q.shape[1:]), self.p.layout.q_dtype, fill=0)
+        qb.reshape((self.active.size * self.rows,) + tuple(q.shape[1:]))[dst] = q[src]
+        return qb
+
+
+def _kernel_cache(c, lay, session):
+    """A cache as a kernel argument: device arrays as they are; host caches
+    read in place on CPU sessions (a strided view is copied once, aligned;
+    the imported buffer holds its source array)."""
+    if isinstance(c, _DeviceCache):
+        return c.array
+    a = kernel_host_array(c)
+    if lay.kv_dtype or lay.static_quant:  # the kernels take fp8 caches as i8 and decode them
+        a = a.view(np.int8)
+    imported = session.import_host(a)
+    return a if imported is None else imported
+
+
+def _check_out(out, q, torch_results, out_shape, dtype, inputs, session):
+    if _is_torch(out):
+        if not _is_torch(q) or out.device != q.device:
+            raise TypeError("a torch out needs q to be a torch tensor on the same device")
+        if tuple(out.shape) != tuple(out_shape) or _torch_np_dtype(out.dtype) != dtype:
+            raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, "
+                             f"got {list(out.shape)} {_torch_np_dtype(out.dtype)}")
+        if not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor")
+        if not torch_results:
+            raise ValueError(f"a torch out needs q on the session's device ({session.torch_device}) and not fp8")
+    elif not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
+    elif out.shape != tuple(out_shape) or out.dtype != dtype:
+        raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, got {list(out.shape)} {out.dtype}")
+    elif not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be a writeable C-contiguous array")
+    clash = overlapping(out, inputs)
+    if clash:
+        raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
+
+

@@ -1,0 +1,57 @@
+"""Argument checks shared by the validating modules: each error names the
+argument it is about."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .arrays import _bf16, _to_numpy
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_int(value, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_float(value, name: str) -> float:
+    """A finite float that float32 holds (the kernels' scalars are f32)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite float, got {value!r}")
+    if abs(value) > F32_MAX:
+        raise ValueError(f"{name} = {value!r} overflows float32 (|{name}| <= {F32_MAX:.4g})")
+    return float(value)
+
+
+def int_array(x, name: str, ndim: int) -> np.ndarray:
+    a = _to_numpy(x, name)
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got {a.dtype}")
+    return a
+
+
+def float_array(x, name: str, *, finite: bool = False) -> np.ndarray:
+    """x as float32. Values float32 cannot hold are refused by name rather
+    than becoming Inf; with finite=True, NaN and Inf are too."""
+    a = _to_numpy(x, name)
+    if not np.issubdtype(a.dtype, np.floating) and a.dtype != _bf16():
+        raise TypeError(f"{name} must be a float array, got {a.dtype}")
+    wide = a.astype(np.float64, copy=False)
+    given = np.isfinite(wide)
+    if finite and not given.all():
+        idx = tuple(int(i) for i in np.argwhere(~given)[0])
+        raise ValueError(f"{name}{list(idx)} = {wide[idx]} must be finite")
+    big = given & (np.abs(wide) > F32_MAX)
+    if big.any():
+        idx = tuple(int(i) for i in np.argwhere(big)[0])
+        raise ValueError(f"{name}{list(idx)} = {wide[idx]:.6g} overflows float32")
+    return a.astype(np.float32, copy=False)
