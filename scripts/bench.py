@@ -10,6 +10,10 @@ Columns:
                padding/chunking loop included), median of --repeat runs
   ours_api_ms  the public fmha_fwd_paged call on numpy inputs (host->device
                copies, validation and output copies included)
+  ours_run_ms  PagedAttention.run() on tables planned once, with q and the
+               caches where a service keeps them (torch CUDA tensors on
+               cuda, numpy on the CPU), results left there
+  ours_one_shot_ms  fmha_fwd_paged on those same arrays (plan + run)
   baseline_ms  torch: index_select pages through the block table, then
                F.scaled_dot_product_attention (4-D, enable_gqa, same mask)
   sdpa_contig_ms  torch SDPA on already-contiguous K/V (no gather): a roof
@@ -37,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
 from turbine_fmha.arrays import _bf16  # noqa: E402
 from turbine_fmha import plan as tf_plan  # noqa: E402
-from turbine_fmha.plan import KernelCall, combine_splits, num_splits_heuristic, plan_calls, split_kv  # noqa: E402
-from turbine_fmha.variants import UNBOUNDED, Variant, bias_shape_of  # noqa: E402
+from turbine_fmha.mask import MaskSpec  # noqa: E402
+from turbine_fmha.plan import KernelCall, combine_splits, kernel_steps, num_splits_heuristic, repeat_rows, split_kv  # noqa: E402
+from turbine_fmha.variants import Variant, bias_shape_of  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPES = {
@@ -154,26 +159,29 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
         variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard)
     fn = session._load(variant).function
     device = session._iree_config().device
-    left, right = kw.get("window_size_left", -1), kw.get("window_size_right", -1)
     slopes = kw.get("alibi_slopes")
     call = KernelCall(
-        q=q, block_table=bt, seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32), seqlen_k=sk,
-        kv_shift=np.zeros(shape["batch"], np.int32), scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0), scale_o=1.0, scale_p=1.0,
-        left=UNBOUNDED if left < 0 else left, right=UNBOUNDED if right < 0 else right,
-        sink_size=kw.get("sink_size", 0),
+        rows=shape["seqlen_q"], q_itemsize=q.itemsize, nhead_q=HQ, block_table=bt,
+        seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32), seqlen_k=sk,
+        kv_shift=np.zeros(shape["batch"], np.int32), scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0),
+        scale_o=1.0, scale_p=1.0,
+        mask=MaskSpec(kw["mask_type"], kw.get("window_size_left", -1), kw.get("window_size_right", -1),
+                      kw.get("sink_size", 0)),
         alibi_slopes=None if slopes is None else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),
         bias=kw.get("bias"), sinks=kw.get("sinks"),
     )
+    qq = q
     if num_splits > 1:
         call = split_kv(call, PAGE, num_splits)
+        qq = repeat_rows(q, num_splits)
     kc_d = rt.asdevicearray(device, kc)
     vc_d = rt.asdevicearray(device, vc)
     calls = []
     places = []
-    for args, place in plan_calls(variant, call):
-        dev = [rt.asdevicearray(device, a) for a in args]
+    for st in kernel_steps(variant, call):
+        dev = [rt.asdevicearray(device, a) for a in [st.q(qq), *st.args]]
         calls.append([dev[0], kc_d, vc_d, *dev[1:]])
-        places.append(place)
+        places.append(st.place)
     last = []
     rows = shape["seqlen_q"]
     o_parts = np.empty((nb, rows, HQ, D), q.dtype)
@@ -201,6 +209,29 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
             max(3, repeat // 3), warmup=1,
         )
     return variant, ms, api_ms, len(calls)
+
+
+def bench_planned(session, shape, inputs, dtype, repeat, kw):
+    """(run_ms, one_shot_ms): PagedAttention.run() on tables planned once,
+    and the one-shot fmha_fwd_paged, both on arrays where a service keeps
+    them: torch tensors on the GPU for cuda, numpy for the CPU. The caches
+    are promised finite (kv_rows_finite, as PagedKVCache does)."""
+    q, kc, vc, bt, sk = inputs
+    sync = lambda: None  # noqa: E731
+    if session.device == "cuda":
+        import torch
+
+        from turbine_fmha.arrays import _numpy_to_torch
+
+        q, kc, vc = (_numpy_to_torch(a).to("cuda:0") for a in (q, kc, vc))
+        sync = torch.cuda.synchronize
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sk, num_pages=kc.shape[0], page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype=dtype,
+        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, **kw)
+    run_ms = median_ms(lambda: attn.run(q, kc, vc), repeat, sync=sync)
+    one_ms = median_ms(lambda: turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, session=session, device=session.device,
+                                                           kv_rows_finite=True, **kw), repeat, sync=sync)
+    return run_ms, one_ms
 
 
 SPLIT_SHAPES = {
@@ -491,6 +522,8 @@ def main() -> int:
                 # The same call through the variant with the V guard (what
                 # runs when stale value rows are not finite).
                 guarded = bench_ours(session, shape, inputs, dtype, repeat, api=False, v_guard=True)[1]
+            kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
+            run_ms, one_ms = bench_planned(session, shape, inputs, dtype, repeat, kw)
             base = roof = float("nan")
             if not args.no_torch:
                 base, roof = bench_torch(shape, inputs, dtype, args.device, repeat)
@@ -499,7 +532,7 @@ def main() -> int:
                 name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
                 nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, mask=shape["mask"], variant=variant.name,
                 kernel_calls=ncalls, ours_ms=round(ours, 3), ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
-                baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,
+                ours_run_ms=round(run_ms, 3), ours_one_shot_ms=round(one_ms, 3), baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,
             )
             if shape["name"] == "decode":
                 kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
@@ -514,12 +547,13 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"| shape | dtype | ours ms | ours with V guard ms | ours (API) ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| shape | dtype | ours ms | ours with V guard ms | ours (API, numpy) ms | run() ms | one-shot ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shape = f"{r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']}"
         print(
-            f"| {shape} | {r['dtype']} | {r['ours_ms']:.2f} | {r['ours_v_guard_ms']:.2f} | {r['ours_api_ms']:.2f} | {r['baseline_ms']:.2f} | "
+            f"| {shape} | {r['dtype']} | {r['ours_ms']:.2f} | {r['ours_v_guard_ms']:.2f} | {r['ours_api_ms']:.2f} | "
+            f"{r['ours_run_ms']:.2f} | {r['ours_one_shot_ms']:.2f} | {r['baseline_ms']:.2f} | "
             f"{r['sdpa_contig_ms']:.2f} | {r['ours_rate']:.3g} {r['unit']} | {r['baseline_rate']:.3g} | "
             f"{r['baseline_ms'] / r['ours_ms']:.2f}x |"
         )

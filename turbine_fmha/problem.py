@@ -17,6 +17,7 @@ import numpy as np
 from .arrays import _bf16, _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype
 from .checks import F32_MAX, check_float, check_int, float_array, int_array
 from .mask import MaskSpec
+from .variants import FP8_DTYPES
 
 LOG2E = math.log2(math.e)
 
@@ -39,7 +40,7 @@ class Layout:
 
     @property
     def static_quant(self) -> bool:
-        return _fp8_name(self.q_dtype) is not None
+        return self.dtype in FP8_DTYPES
 
     @property
     def k_shape(self) -> tuple:
