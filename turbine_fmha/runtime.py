@@ -1,5 +1,10 @@
 """Runtime session: loads AOT artifacts and runs them. numpy + iree.runtime only.
 
+The Session's jobs live in their own modules: reading and verifying
+artifact directories (artifacts.py), choosing a variant (selection.py) and
+moving arrays in and out of the device (interop.py); this module loads
+modules and invokes them.
+
 A `Session` owns one IREE device (driver) and the modules loaded on it.
 Services create one and reuse it; `fmha_fwd_paged(..., session=None)` uses a
 process-wide session per device.
@@ -17,11 +22,11 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-
 from .artifacts import ArtifactError  # re-exported: defined with the artifact store
+from .interop import DeviceInterop
+from .selection import VariantSelection, _problem_key
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
-from .variants import KERNEL_ABI, AppendKernel, Variant, online_unsupported, parse_kernel
+from .variants import KERNEL_ABI, AppendKernel, Variant, parse_kernel
 
 ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
 ENV_CACHE = "TURBINE_FMHA_CACHE"
@@ -72,7 +77,7 @@ class _Loaded:
         return fn
 
 
-class Session:
+class Session(VariantSelection, DeviceInterop):
     """Loaded kernels for one device.
 
     Args:
@@ -245,41 +250,6 @@ class Session:
         """The IREE HAL device this session runs on."""
         return self._iree_config().device
 
-    def import_host(self, array):
-        """A DeviceArray over a C-contiguous numpy array's own memory (no
-        copy) on a CPU session, or None where that is not possible (GPU
-        sessions, dtypes without an IREE element type). The result holds a
-        reference to `array`; the array must stay unchanged while calls use
-        it."""
-        # The kernels assume 64-byte aligned bindings (aligned vector loads):
-        # importing a less aligned array crashes them, so copy those.
-        if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % 64:
-            return None
-        import iree.runtime as rt
-
-        et = {
-            np.dtype(np.float16): rt.HalElementType.FLOAT_16,
-            np.dtype(np.float32): rt.HalElementType.FLOAT_32,
-            np.dtype(np.int8): rt.HalElementType.SINT_8,
-        }.get(array.dtype)
-        if et is None and array.dtype.name == "bfloat16":
-            et = rt.HalElementType.BFLOAT_16
-        if et is None:
-            return None
-        device = self.device_of()
-        try:
-            buf = device.allocator.import_host_allocation(
-                array, rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE, rt.BufferUsage.DEFAULT)
-        except Exception:  # e.g. an alignment the allocator refuses: copy instead
-            return None
-        imported = rt.DeviceArray(device, rt.HalBufferView(buf, list(array.shape), et))
-        # The buffer is the array's memory: the DeviceArray owns a reference
-        # to it, so the memory lives as long as anything can reach the buffer
-        # (a caller dropping its copy early once made kernels read freed
-        # memory).
-        imported._host_keepalive = array
-        return imported
-
     @property
     def last_variant(self) -> Variant | None:
         """The variant that served this thread's latest kernel call."""
@@ -312,138 +282,6 @@ class Session:
         # Only the results asked for are copied (a copy back from a GPU
         # costs ~0.2 ms however small).
         return tuple(r.to_host() for r in res)
-
-    @property
-    def torch_device(self) -> str:
-        """The torch device whose memory this session's device reads: "cpu",
-        or "cuda:0" for cuda/hip sessions (IREE opens the first visible
-        GPU, which torch calls cuda:0; ROCm torch also says "cuda")."""
-        return "cpu" if self.target.driver == "local-task" else "cuda:0"
-
-    def to_torch(self, *arrays):
-        """torch tensors on this session's device with the DeviceArrays'
-        contents, never through the host: DLPack views of the IREE buffers
-        (which they keep alive) where the driver exports them, else
-        device-to-device copies into new tensors (device_copy_to_torch).
-        Returns one tensor per array."""
-        import torch
-
-        if getattr(self, "_exports", True):
-            # DLPack device type codes: kDLCPU, kDLCUDA, kDLROCM.
-            code = {"local-task": 1, "cuda": 2, "hip": 10}[self.target.driver]
-            index = 0 if code == 1 else torch.device(self.torch_device).index
-            try:
-                return tuple(torch.from_dlpack(self.device_of().create_dlpack_capsule(a._buffer_view, code, index))
-                             for a in arrays)
-            except RuntimeError:
-                # IREE's CUDA driver exports only plain device allocations,
-                # not the stream-ordered ones that hold function results
-                # (measured on the H200: "buffer type is not supported for
-                # export"). Remembered, so later calls go straight to copies.
-                self._exports = False
-        return self.device_copy_to_torch(*arrays)
-
-    def import_torch(self, tensor):
-        """A DeviceArray over a torch tensor on this session's GPU, zero
-        copy (DLPack). The tensor must stay alive while calls use it, and
-        torch's pending writes to it must be finished first (IREE runs on
-        its own stream)."""
-        import iree.runtime as rt
-
-        t = tensor if tensor.is_contiguous() else tensor.contiguous()
-        device = self.device_of()
-        array = rt.DeviceArray(device, device.from_dlpack_capsule(t.__dlpack__(stream=None)))
-        array._torch_keepalive = t
-        return array
-
-    def device_copy_to_torch(self, *arrays):
-        """New torch tensors on this session's device holding copies of
-        DeviceArrays, made by IREE queue copies into the tensors' memory
-        (imported through DLPack), waited for once before returning.
-        Verified on CUDA (scripts/h200_torch_interop.py); the CPU driver
-        never needs it (it exports) and refuses queue copies into imported
-        torch memory."""
-        import torch
-
-        # torch names its dtypes as numpy and ml_dtypes do.
-        out = [torch.empty(tuple(a.shape), dtype=getattr(torch, np.dtype(a.dtype).name), device=self.torch_device)
-               for a in arrays]
-        if out and out[0].is_cuda:
-            torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
-        device = self.device_of()
-        done = device.create_semaphore(0)
-        for i, (a, t) in enumerate(zip(arrays, out), 1):
-            dst = device.from_dlpack_capsule(t.__dlpack__(stream=None) if t.is_cuda else t.__dlpack__())
-            device.queue_copy(a._buffer_view.get_buffer(), dst.get_buffer(), [(done, i - 1)], [(done, i)])
-        if out:
-            done.wait(len(out))
-        return tuple(out)
-
-    def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
-        """Picks the variant for a call: an exact match of `problem` (see
-        Variant.problem); among static (online) variants, the one that pads
-        least, then the one with the fewest launches, then one without the
-        stale-row guard, which is allowed only when stale_rows_finite says
-        the V rows holding no key are finite (plan.stale_rows_finite)."""
-        formulation = self._formulation_for(problem)
-        cands = [
-            v for v in self._by_problem.get(_problem_key(problem), [])
-            if v.formulation == formulation and (v.v_guard or stale_rows_finite)
-        ]
-        if self.compile_missing:
-            # The default variant for the call competes with the built ones
-            # (and is compiled if chosen).
-            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite)
-            if preferred not in cands:
-                cands.append(preferred)
-        if not cands:
-            described = ", ".join(f"{k}={v}" for k, v in problem.items())
-            raise ArtifactError(
-                f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
-                f"Build it with:\n"
-                f"  turbine-fmha build --targets {self.target.name} --out {self.artifact_dir} "
-                f"--variants {self._default_variant_for(problem, seqlen_q).name}\n"
-                f"or create the Session with compile_missing=True."
-            )
-
-        def cost(v: Variant):
-            # Least padded work first, then fewest kernel calls.
-            if v.formulation == "explicit":
-                return (0, 0, True)
-            btiles = -(-batch // v.batch_tile)
-            qtiles = -(-seqlen_q // v.seqlen_q_tile)
-            return (btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles, v.v_guard)
-
-        return min(cands, key=cost)
-
-    def serves(self, problem: dict) -> bool:
-        """Whether select() can find (or, with compile_missing, build) a
-        variant for `problem`."""
-        if self.compile_missing:
-            return True
-        formulation = self._formulation_for(problem)
-        return any(v.formulation == formulation for v in self._by_problem.get(_problem_key(problem), []))
-
-    def _formulation_for(self, problem: dict) -> str:
-        """The session's formulation, unless the online one cannot serve the
-        problem (variants.online_unsupported): then the explicit one."""
-        if self.formulation == "online" and online_unsupported(problem):
-            return "explicit"
-        return self.formulation
-
-    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False) -> Variant:
-        if self._formulation_for(problem) == "explicit":
-            return Variant(**problem)
-        from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE
-
-        bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
-        guard = not (stale_rows_finite and problem["v_layout"] == "row")
-        return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq, v_guard=guard)
-
-
-def _problem_key(problem: dict) -> tuple:
-    return tuple(sorted(problem.items()))
-
 
 ENV_CPU_THREADS = "TURBINE_FMHA_CPU_THREADS"
 # Worker threads of Session.submit (calls in flight at once per session).

@@ -1,0 +1,113 @@
+"""Device interop for a Session: host memory and torch tensors in and out
+of IREE buffers without copies where the driver allows (DLPack), and the
+lifetime rule that goes with it: an imported buffer owns a reference to
+its source."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class DeviceInterop:
+    """Mixed into Session: needs `target`, `device_of()`."""
+
+    def import_host(self, array):
+        """A DeviceArray over a C-contiguous numpy array's own memory (no
+        copy) on a CPU session, or None where that is not possible (GPU
+        sessions, dtypes without an IREE element type). The result holds a
+        reference to `array`; the array must stay unchanged while calls use
+        it."""
+        # The kernels assume 64-byte aligned bindings (aligned vector loads):
+        # importing a less aligned array crashes them, so copy those.
+        if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % 64:
+            return None
+        import iree.runtime as rt
+
+        et = {
+            np.dtype(np.float16): rt.HalElementType.FLOAT_16,
+            np.dtype(np.float32): rt.HalElementType.FLOAT_32,
+            np.dtype(np.int8): rt.HalElementType.SINT_8,
+        }.get(array.dtype)
+        if et is None and array.dtype.name == "bfloat16":
+            et = rt.HalElementType.BFLOAT_16
+        if et is None:
+            return None
+        device = self.device_of()
+        try:
+            buf = device.allocator.import_host_allocation(
+                array, rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE, rt.BufferUsage.DEFAULT)
+        except Exception:  # e.g. an alignment the allocator refuses: copy instead
+            return None
+        imported = rt.DeviceArray(device, rt.HalBufferView(buf, list(array.shape), et))
+        # The buffer is the array's memory: the DeviceArray owns a reference
+        # to it, so the memory lives as long as anything can reach the buffer
+        # (a caller dropping its copy early once made kernels read freed
+        # memory).
+        imported._host_keepalive = array
+        return imported
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device whose memory this session's device reads: "cpu",
+        or "cuda:0" for cuda/hip sessions (IREE opens the first visible
+        GPU, which torch calls cuda:0; ROCm torch also says "cuda")."""
+        return "cpu" if self.target.driver == "local-task" else "cuda:0"
+
+    def to_torch(self, *arrays):
+        """torch tensors on this session's device with the DeviceArrays'
+        contents, never through the host: DLPack views of the IREE buffers
+        (which they keep alive) where the driver exports them, else
+        device-to-device copies into new tensors (device_copy_to_torch).
+        Returns one tensor per array."""
+        import torch
+
+        if getattr(self, "_exports", True):
+            # DLPack device type codes: kDLCPU, kDLCUDA, kDLROCM.
+            code = {"local-task": 1, "cuda": 2, "hip": 10}[self.target.driver]
+            index = 0 if code == 1 else torch.device(self.torch_device).index
+            try:
+                return tuple(torch.from_dlpack(self.device_of().create_dlpack_capsule(a._buffer_view, code, index))
+                             for a in arrays)
+            except RuntimeError:
+                # IREE's CUDA driver exports only plain device allocations,
+                # not the stream-ordered ones that hold function results
+                # (measured on the H200: "buffer type is not supported for
+                # export"). Remembered, so later calls go straight to copies.
+                self._exports = False
+        return self.device_copy_to_torch(*arrays)
+
+    def import_torch(self, tensor):
+        """A DeviceArray over a torch tensor on this session's GPU, zero
+        copy (DLPack). The tensor must stay alive while calls use it, and
+        torch's pending writes to it must be finished first (IREE runs on
+        its own stream)."""
+        import iree.runtime as rt
+
+        t = tensor if tensor.is_contiguous() else tensor.contiguous()
+        device = self.device_of()
+        array = rt.DeviceArray(device, device.from_dlpack_capsule(t.__dlpack__(stream=None)))
+        array._torch_keepalive = t
+        return array
+
+    def device_copy_to_torch(self, *arrays):
+        """New torch tensors on this session's device holding copies of
+        DeviceArrays, made by IREE queue copies into the tensors' memory
+        (imported through DLPack), waited for once before returning.
+        Verified on CUDA (scripts/h200_torch_interop.py); the CPU driver
+        never needs it (it exports) and refuses queue copies into imported
+        torch memory."""
+        import torch
+
+        # torch names its dtypes as numpy and ml_dtypes do.
+        out = [torch.empty(tuple(a.shape), dtype=getattr(torch, np.dtype(a.dtype).name), device=self.torch_device)
+               for a in arrays]
+        if out and out[0].is_cuda:
+            torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
+        device = self.device_of()
+        done = device.create_semaphore(0)
+        for i, (a, t) in enumerate(zip(arrays, out), 1):
+            dst = device.from_dlpack_capsule(t.__dlpack__(stream=None) if t.is_cuda else t.__dlpack__())
+            device.queue_copy(a._buffer_view.get_buffer(), dst.get_buffer(), [(done, i - 1)], [(done, i)])
+        if out:
+            done.wait(len(out))
+        return tuple(out)

@@ -1,0 +1,75 @@
+"""Variant selection for a Session: which built (or buildable) variant
+serves a call."""
+
+from __future__ import annotations
+
+from .artifacts import ArtifactError
+from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE, Variant, online_unsupported
+
+
+def _problem_key(problem: dict) -> tuple:
+    return tuple(sorted(problem.items()))
+
+
+class VariantSelection:
+    """Mixed into Session: needs `_by_problem`, `formulation`,
+    `compile_missing`, `target` and `artifact_dir`."""
+
+    def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
+        """Picks the variant for a call: an exact match of `problem` (see
+        Variant.problem); among static (online) variants, the one that pads
+        least, then the one with the fewest launches, then one without the
+        stale-row guard, which is allowed only when stale_rows_finite says
+        the V rows holding no key are finite (plan.stale_rows_finite)."""
+        formulation = self._formulation_for(problem)
+        cands = [
+            v for v in self._by_problem.get(_problem_key(problem), [])
+            if v.formulation == formulation and (v.v_guard or stale_rows_finite)
+        ]
+        if self.compile_missing:
+            # The default variant for the call competes with the built ones
+            # (and is compiled if chosen).
+            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite)
+            if preferred not in cands:
+                cands.append(preferred)
+        if not cands:
+            described = ", ".join(f"{k}={v}" for k, v in problem.items())
+            raise ArtifactError(
+                f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
+                f"Build it with:\n"
+                f"  turbine-fmha build --targets {self.target.name} --out {self.artifact_dir} "
+                f"--variants {self._default_variant_for(problem, seqlen_q).name}\n"
+                f"or create the Session with compile_missing=True."
+            )
+
+        def cost(v: Variant):
+            # Least padded work first, then fewest kernel calls.
+            if v.formulation == "explicit":
+                return (0, 0, True)
+            btiles = -(-batch // v.batch_tile)
+            qtiles = -(-seqlen_q // v.seqlen_q_tile)
+            return (btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles, v.v_guard)
+
+        return min(cands, key=cost)
+
+    def serves(self, problem: dict) -> bool:
+        """Whether select() can find (or, with compile_missing, build) a
+        variant for `problem`."""
+        if self.compile_missing:
+            return True
+        formulation = self._formulation_for(problem)
+        return any(v.formulation == formulation for v in self._by_problem.get(_problem_key(problem), []))
+
+    def _formulation_for(self, problem: dict) -> str:
+        """The session's formulation, unless the online one cannot serve the
+        problem (variants.online_unsupported): then the explicit one."""
+        if self.formulation == "online" and online_unsupported(problem):
+            return "explicit"
+        return self.formulation
+
+    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False) -> Variant:
+        if self._formulation_for(problem) == "explicit":
+            return Variant(**problem)
+        bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
+        guard = not (stale_rows_finite and problem["v_layout"] == "row")
+        return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq, v_guard=guard)
