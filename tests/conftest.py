@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 
 import turbine_fmha
+from turbine_fmha.arrays import np_dtype  # noqa: F401 (tests import it from here)
 from turbine_fmha.reference import fmha_fwd_paged_ref
 
 CACHE = Path(os.environ.get("TURBINE_FMHA_TEST_CACHE", Path(__file__).resolve().parent.parent / "build" / "test-cache"))
 
 
-def np_dtype(name: str):
-    if name == "bf16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({"f16": np.float16, "f32": np.float32}[name])
 
 
 @pytest.fixture(scope="session")

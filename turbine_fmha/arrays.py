@@ -21,14 +21,17 @@ def _bf16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a variant dtype name (f16, bf16, f32): the one
+    table between the two; torch names its dtypes as numpy and ml_dtypes
+    do (`getattr(torch, np_dtype(name).name)`)."""
+    if name == "bf16":
+        return _bf16()
+    return np.dtype({"f16": np.float16, "f32": np.float32}[name])
+
+
 def _dtype_name(dt: np.dtype) -> str | None:
-    if dt == np.float16:
-        return "f16"
-    if dt == np.float32:
-        return "f32"
-    if dt == _bf16():
-        return "bf16"
-    return None
+    return next((n for n in ("f16", "bf16", "f32") if dt == np_dtype(n)), None)
 
 
 _FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
@@ -231,11 +234,9 @@ class _Results:
         return torch.as_tensor(a, device=self.torch_device)
 
     def combine(self, o, lse, m, l, n, sinks):
-        from .plan import combine_splits, combine_splits_torch
+        from .plan import combine_splits
 
-        if self.torch_device is None:
-            return combine_splits(o, lse, m, l, n, sinks)
-        return combine_splits_torch(o, lse, m, l, n, sinks)
+        return combine_splits(o, lse, m, l, n, sinks)
 
 
 def _numpy_to_torch(a: np.ndarray):
@@ -291,3 +292,78 @@ _TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError")
 
 def _device_of(a) -> str:
     return str(a.device) if _is_torch(a) else "cpu"
+
+
+class _NumpyOps:
+    """The few array operations the runtime writes once for numpy and
+    torch (ops_for): numpy's."""
+
+    where, exp, log = staticmethod(np.where), staticmethod(np.exp), staticmethod(np.log)
+    isfinite, isnan = staticmethod(np.isfinite), staticmethod(np.isnan)
+    einsum, logaddexp = staticmethod(np.einsum), staticmethod(np.logaddexp)
+
+    @staticmethod
+    def f32(a):
+        return np.asarray(a).astype(np.float32, copy=False)
+
+    @staticmethod
+    def amax(a, axis):
+        return a.max(axis=axis)
+
+    @staticmethod
+    def sum(a, axis):
+        return a.sum(axis=axis)
+
+    @staticmethod
+    def any(a, axis):
+        return a.any(axis=axis)
+
+    @staticmethod
+    def like(a, ref):
+        """`a` (host data) as an array beside `ref`."""
+        return np.asarray(a)
+
+    @staticmethod
+    def quiet():
+        return np.errstate(all="ignore")
+
+
+class _TorchOps:
+    """torch's side of _NumpyOps, on the tensors' own device."""
+
+    def __init__(self):
+        import torch
+
+        self.t = torch
+        self.where, self.exp, self.log, self.isfinite, self.isnan = (
+            torch.where, torch.exp, torch.log, torch.isfinite, torch.isnan)
+        self.einsum, self.logaddexp = torch.einsum, torch.logaddexp
+
+    def f32(self, a):
+        return a.float()
+
+    def amax(self, a, axis):
+        return self.t.amax(a, dim=axis)
+
+    def sum(self, a, axis):
+        return a.sum(dim=axis)
+
+    def any(self, a, axis):
+        return a.any(dim=axis)
+
+    def like(self, a, ref):
+        return self.t.as_tensor(a, device=ref.device)
+
+    @staticmethod
+    def quiet():
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+_NUMPY_OPS = _NumpyOps()
+
+
+def ops_for(x):
+    """The array operations for x's kind (numpy or torch)."""
+    return _TorchOps() if _is_torch(x) else _NUMPY_OPS

@@ -29,13 +29,12 @@ from .arrays import (
 from .modes import active_sequences, bias_rows, gappy_table, regroup
 from .plan import (
     KernelCall,
-    _rows_finite,
     kernel_steps,
     num_splits_heuristic,
     repeat_rows,
     split_kv,
     stale_rows,
-    torch_rows_finite,
+    rows_finite,
 )
 from .problem import Problem, layout_of_params, problem, scores, tables
 from .runtime import Session, default_session
@@ -188,10 +187,10 @@ class _Plan:
         if self.stale is None:
             return False
         if isinstance(v_cache, _TorchDeviceCache):
-            return all(torch_rows_finite(v_cache.tensor, pages, sel) for pages, sel in self.stale)
+            return all(rows_finite(v_cache.tensor, pages, sel) for pages, sel in self.stale)
         if isinstance(v_cache, _DeviceCache):
             return False  # IREE device arrays are not looked at
-        return all(_rows_finite(v_cache, pages, sel) for pages, sel in self.stale)
+        return all(rows_finite(v_cache, pages, sel) for pages, sel in self.stale)
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
         lay, session = self.p.layout, self.session

@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from .arrays import _DeviceCache, _dtype_name, _fp8_name, aligned_empty
+from .arrays import _DeviceCache, _dtype_name, _fp8_name, aligned_empty, np_dtype
 
 
 class CacheFullError(RuntimeError):
@@ -247,14 +247,7 @@ class PagedKVCache:
 
 
 def _dtype(d) -> np.dtype:
-    if isinstance(d, str):
-        if d == "bf16":
-            import ml_dtypes
-
-            return np.dtype(ml_dtypes.bfloat16)
-        if d in ("f16", "f32"):
-            return np.dtype({"f16": np.float16, "f32": np.float32}[d])
-    return np.dtype(d)
+    return np_dtype(d) if d in ("f16", "bf16", "f32") else np.dtype(d)
 
 
 def aligned_zeros(shape, dtype, alignment: int = 64) -> np.ndarray:

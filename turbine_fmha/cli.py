@@ -94,12 +94,9 @@ def _random_problem(args, rng):
     pool, unused table slots holding -1."""
     import numpy as np
 
-    if args.dtype == "bf16":
-        import ml_dtypes
+    from .arrays import np_dtype
 
-        dt = np.dtype(ml_dtypes.bfloat16)
-    else:
-        dt = np.dtype({"f16": np.float16, "f32": np.float32}[args.dtype])
+    dt = np_dtype(args.dtype)
     lens = [int(x) for x in args.seqlen_k.split(",")]
     if len(lens) == 1:
         lens = lens * args.batch

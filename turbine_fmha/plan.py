@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from .arrays import ops_for
 from .mask import MaskSpec
 from .variants import Variant
 
@@ -244,73 +245,44 @@ def repeat_rows(q, n: int):
     return np.repeat(q, n, axis=0) if isinstance(q, np.ndarray) else q.repeat_interleave(n, dim=0)
 
 
-def combine_splits(o: np.ndarray, lse: np.ndarray, m: np.ndarray, l: np.ndarray, n: int,
-                   sinks: np.ndarray | None):
+def combine_splits(o, lse, m, l, n: int, sinks: np.ndarray | None):
     """Merges the partial results of split_kv (o [batch * n, rows, hq, dv];
     lse, row max m and row sum l [batch * n, hq, rows]) in f32, adding the
     sinks once. Split j weighs l_j * exp(m_j - M), M the largest max: the
     sums and maxes stay exact where an f32 LSE would not (|m| ~ 1e6 leaves
-    it no room for log(sum)). A NaN partial makes the row NaN. Returns (out
-    f32 [batch, rows, hq, dv], lse f32 [batch, hq, rows])."""
+    it no room for log(sum)). A NaN partial makes the row NaN. numpy arrays
+    or torch tensors (merged on their device). Returns (out f32 [batch,
+    rows, hq, dv], lse f32 [batch, hq, rows])."""
+    xp = ops_for(o)
     bn, rows, hq, dv = o.shape
-    o = o.reshape(bn // n, n, rows, hq, dv).astype(np.float32)
+    o = xp.f32(o.reshape(bn // n, n, rows, hq, dv))
     lse, m, l = (x.reshape(bn // n, n, hq, rows) for x in (lse, m, l))
-    some = l > 0  # splits that saw a key
-    top = np.where(some, m, -np.inf).max(axis=1)
-    top = np.where(np.isfinite(top), top, 0.0).astype(np.float32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        w = np.where(some, l * np.exp(np.where(some, m, 0.0) - top[:, None]), 0.0).astype(np.float32)
-    tot = w.sum(axis=1)
-    den = tot if sinks is None else tot + np.exp(sinks.astype(np.float32)[None, :, None] - top)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.einsum("bjhr,bjrhd->brhd", w / np.where(den > 0, den, 1.0)[:, None], o).astype(np.float32)
-        lse_out = np.where(tot > 0, top + np.log(np.where(tot > 0, tot, 1.0)), -np.inf).astype(np.float32)
-    if sinks is not None:
-        lse_out = np.logaddexp(lse_out, sinks.astype(np.float32)[None, :, None]).astype(np.float32)
-    nan = np.isnan(lse).any(axis=1)
-    out[nan.transpose(0, 2, 1)] = np.nan
-    lse_out[nan] = np.nan
-    return out, lse_out
+    with xp.quiet():
+        some = l > 0  # splits that saw a key
+        top = xp.amax(xp.where(some, m, -math.inf), 1)
+        top = xp.where(xp.isfinite(top), top, 0.0)
+        w = xp.where(some, l * xp.exp(xp.where(some, m, 0.0) - top[:, None]), 0.0)
+        tot = xp.sum(w, 1)
+        s = None if sinks is None else xp.f32(xp.like(sinks, tot))[None, :, None]
+        den = tot if s is None else tot + xp.exp(s - top)
+        out = xp.einsum("bjhr,bjrhd->brhd", xp.f32(w / xp.where(den > 0, den, 1.0)[:, None]), o)
+        pos = tot > 0
+        lse_out = xp.where(pos, top + xp.log(xp.where(pos, tot, 1.0)), -math.inf)
+        if s is not None:
+            lse_out = xp.logaddexp(lse_out, s)
+    nan = xp.any(xp.isnan(lse), 1)
+    out = xp.where(nan.swapaxes(1, 2)[..., None], math.nan, out)
+    return xp.f32(out), xp.f32(xp.where(nan, math.nan, lse_out))
 
 
-def combine_splits_torch(o, lse, m, l, n: int, sinks: np.ndarray | None):
-    """combine_splits for torch tensors, on their device (the same f32
-    arithmetic), so device-resident results never visit the host."""
-    import torch
-
-    bn, rows, hq, dv = o.shape
-    o = o.reshape(bn // n, n, rows, hq, dv).float()
-    lse, m, l = (x.reshape(bn // n, n, hq, rows) for x in (lse, m, l))
-    some = l > 0
-    top = torch.where(some, m, torch.full_like(m, -math.inf)).amax(dim=1)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.where(some, l * torch.exp(torch.where(some, m, torch.zeros_like(m)) - top[:, None]), torch.zeros_like(l))
-    tot = w.sum(dim=1)
-    den = tot
-    if sinks is not None:
-        s = torch.as_tensor(sinks, dtype=torch.float32, device=tot.device)[None, :, None].expand_as(tot)
-        den = tot + torch.exp(s - top)
-    out = torch.einsum("bjhr,bjrhd->brhd", w / torch.where(den > 0, den, torch.ones_like(den))[:, None], o)
-    pos = tot > 0
-    lse_out = torch.where(pos, top + torch.log(torch.where(pos, tot, torch.ones_like(tot))), torch.full_like(tot, -math.inf))
-    if sinks is not None:
-        lse_out = torch.logaddexp(lse_out, s)
-    nan = torch.isnan(lse).any(dim=1)
-    out = out.masked_fill(nan.permute(0, 2, 1)[..., None], math.nan)
-    lse_out = lse_out.masked_fill(nan, math.nan)
-    return out, lse_out
+def rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
+    """Whether cache[pages][sel] is all finite: numpy, or a torch cache on
+    its own device (one small gather and a sync)."""
+    xp = ops_for(cache)
+    return bool(xp.isfinite(xp.f32(cache[xp.like(pages, cache)][xp.like(sel, cache)])).all())
 
 
-def _rows_finite(cache: np.ndarray, pages: np.ndarray, sel: np.ndarray) -> bool:
-    return bool(np.isfinite(cache[pages][sel].astype(np.float32, copy=False)).all())
-
-
-def torch_rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
-    """_rows_finite for a torch cache, on its device (one small gather)."""
-    import torch
-
-    rows = cache[torch.as_tensor(pages, device=cache.device)][torch.as_tensor(sel, device=cache.device)]
-    return bool(torch.isfinite(rows).all())
+torch_rows_finite = rows_finite  # the name tests know
 
 
 def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):
@@ -340,10 +312,9 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
 
 
 def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray,
-                      kv_shift: np.ndarray, page: int, rows_finite=_rows_finite) -> bool:
+                      kv_shift: np.ndarray, page: int, rows_finite=rows_finite) -> bool:
     """Whether the stale_rows of a row-major cache [pages, page, heads, dim]
-    are finite. rows_finite(cache, pages, sel) checks cache[pages][sel]:
-    numpy by default, torch_rows_finite for torch caches."""
+    (numpy or torch) are finite."""
     pairs = stale_rows(block_table, seqlen_k, kv_shift, page)
     return pairs is not None and all(rows_finite(v_cache, pages, sel) for pages, sel in pairs)
 

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .arrays import _bf16, _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype
+from .arrays import _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype, np_dtype
 from .checks import F32_MAX, check_float, check_int, float_array, int_array
 from .mask import MaskSpec
 from .variants import FP8_DTYPES
@@ -107,12 +107,8 @@ def _check_heads(layout: Layout, no_heads: str) -> None:
 
 
 def _np_dtype(d, name: str) -> np.dtype:
-    if isinstance(d, str):
-        named = {"f16": np.float16, "f32": np.float32}.get(d)
-        if d == "bf16":
-            return _bf16()
-        if named is not None:
-            return np.dtype(named)
+    if d in ("f16", "bf16", "f32"):
+        return np_dtype(d)
     if type(d).__module__.startswith("torch"):
         return _torch_np_dtype(d)
     try:
