@@ -22,9 +22,8 @@ SCORE_BYTES_BUDGET = 256 << 20
 # With a mask that has a right edge (causal, local windows), query rows are
 # also chunked this finely, and each chunk's block table is cut after the
 # last page its rows can see: the fully masked blocks past the diagonal are
-# never computed (ck_tile skips them the same way). On the 2-core CPU, a
-# 512-token causal prefill took 43 ms in one chunk, 36 / 26 / 20 ms in
-# 256 / 128 / 64-row chunks (docs/benchmarks.md).
+# never computed (ck_tile skips them the same way). The size is measured
+# (docs/perf-notes.md, "Masked-block skipping").
 MASKED_CHUNK_ROWS = 64
 # Split-KV: a split covers at least this many keys.
 MIN_KEYS_PER_SPLIT = 512

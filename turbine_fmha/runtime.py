@@ -290,13 +290,10 @@ _TOPOLOGY_SET = False
 
 
 def _set_cpu_topology_once() -> None:
-    """One local-task worker per CPU this process may run on.
-
-    IREE's default topology on this 2-vCPU machine ran the decode benchmark
-    at 106 ms; one worker took 84 ms and an explicit group count of 2 took
-    48 ms (docs/perf-notes.md). Flags are process-wide and must precede the
-    first local-task device, so this runs once; $TURBINE_FMHA_CPU_THREADS
-    overrides the count.
+    """One local-task worker per CPU this process may run on: IREE's
+    default topology ran the CPU kernels about 2x slower (docs/perf-notes.md).
+    Flags are process-wide and must precede the first local-task device, so
+    this runs once; $TURBINE_FMHA_CPU_THREADS overrides the count.
     """
     global _TOPOLOGY_SET
     if _TOPOLOGY_SET:

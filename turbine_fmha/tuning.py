@@ -2,9 +2,8 @@
 
 IREE 3.13's default configuration for the online_attention dispatch tiles
 the workgroup along the output's head dim (V's columns): each workgroup then
-recomputes the whole Q.K^T for a quarter of the output. On the H200 a
-configuration that keeps the head dim whole took decode (b32, 4096 keys)
-from 2.3 to 1.25 ms and causal prefill (4096) from 22.4 to 12.0 ms, with
+recomputes the whole Q.K^T for a quarter of the output. Keeping the head
+dim whole roughly halved decode and prefill times on the H200, with
 identical results (docs/perf-notes.md). The remaining fields of IREE's own
 configuration are kept.
 
