@@ -36,15 +36,12 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
-from . import tuning
 from .artifacts import MANIFEST, MANIFEST_VERSION, manifest_digest, read_manifest  # noqa: F401 (re-exported)
+from .compiler import Cancelled, _compile_one, _Compilers, compiler_version, source_hash
 from .targets import Target, get_target
 from .variants import (
     KERNEL_ABI,
@@ -57,18 +54,6 @@ from .variants import (
 )
 
 LOCK = ".lock"
-
-
-def compiler_version() -> str:
-    from iree.compiler.version import VERSION
-
-    return VERSION
-
-
-def iree_compile_path() -> str:
-    from iree.compiler.tools.binaries import find_tool
-
-    return find_tool("iree-compile")
 
 
 def default_variants(target: Target) -> list[Variant | AppendKernel]:
@@ -123,76 +108,6 @@ def _locked(out: Path):
         os.close(fd)  # releases the lock
 
 
-# --- ISA reports ----------------------------------------------------------
-
-_AMDHSA_FIELDS = {
-    "vgpr_count": r"\.vgpr_count:\s+(\d+)",
-    "agpr_count": r"\.agpr_count:\s+(\d+)",
-    "sgpr_count": r"\.sgpr_count:\s+(\d+)",
-    "vgpr_spill_count": r"\.vgpr_spill_count:\s+(\d+)",
-    "sgpr_spill_count": r"\.sgpr_spill_count:\s+(\d+)",
-    "lds_bytes": r"\.group_segment_fixed_size:\s+(\d+)",
-    "scratch_bytes": r"\.private_segment_fixed_size:\s+(\d+)",
-}
-
-
-def _waves_per_simd(vgprs: int, agprs: int, arch: str) -> int:
-    # CDNA: 512 unified VGPRs per lane per SIMD (gfx90a+), allocated in
-    # granules of 8; at most 8 waves per SIMD.
-    regs = max(1, vgprs + agprs)
-    regs = (regs + 7) // 8 * 8
-    return max(0, min(8, 512 // regs))
-
-
-def rocm_isa_report(dump_dir: Path, arch: str) -> dict:
-    """Per-kernel register/LDS/scratch/MFMA figures read from the .rocmasm."""
-    asm_files = sorted(dump_dir.glob("*.rocmasm"))
-    kernels = []
-    for asm in asm_files:
-        text = asm.read_text(errors="replace")
-        # Kernel bodies: split on '.amdhsa_kernel'-free symbol markers; the
-        # metadata block lists each kernel with its figures in order.
-        meta = text[text.find("amdhsa.kernels:") :]
-        for block in re.split(r"\n\s+- \.", meta)[1:]:
-            name = re.search(r"\.name:\s+(\S+)", "." + block)
-            if not name:
-                continue
-            k = {"name": name.group(1)}
-            for key, pat in _AMDHSA_FIELDS.items():
-                m = re.search(pat, "." + block)
-                k[key] = int(m.group(1)) if m else 0
-            kernels.append(k)
-        # MFMA instructions per kernel, counted between its label and the
-        # next kernel's label.
-        labels = sorted(
-            (m.start(), m.group(1))
-            for m in re.finditer(r"^([A-Za-z_][\w.$]*):\s*$", text, re.M)
-            if any(k["name"] == m.group(1) for k in kernels)
-        )
-        for (start, name), nxt in zip(labels, labels[1:] + [(len(text), None)]):
-            body = text[start : nxt[0]]
-            for k in kernels:
-                if k["name"] == name:
-                    k["mfma_count"] = len(re.findall(r"\bv_mfma_", body))
-    for k in kernels:
-        k.setdefault("mfma_count", 0)
-        k["waves_per_simd"] = _waves_per_simd(k["vgpr_count"], k["agpr_count"], arch)
-    return {
-        "kernels": kernels,
-        "mfma_count": sum(k["mfma_count"] for k in kernels),
-        "spills": sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in kernels),
-        "scratch_bytes": max([k["scratch_bytes"] for k in kernels] or [0]),
-    }
-
-
-def cuda_isa_report(dump_dir: Path) -> dict:
-    ptx = "".join(p.read_text(errors="replace") for p in dump_dir.glob("*.ptx"))
-    return {
-        "mma_count": len(re.findall(r"\bmma\.sync\b", ptx)),
-        "local_memory_bytes": sum(int(x) for x in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx)),
-    }
-
-
 # --- building -------------------------------------------------------------
 
 
@@ -203,125 +118,6 @@ class BuildResult:
     entry: dict | None
     rebuilt: bool
     error: str | None = None
-
-
-def source_hash(mlir: str, target: Target, version: str) -> str:
-    h = hashlib.sha256()
-    tuned = f"tuning {tuning.VERSION}" if target.kind in tuning.KINDS else ""
-    for part in (mlir, "\0".join(target.flags), version, tuned):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-class Cancelled(Exception):
-    """The build was interrupted: no new compile starts."""
-
-
-class _Compilers:
-    """The running iree-compile processes of one build, so that an interrupt
-    can stop them at once instead of waiting for each (a SIGINT sent to the
-    Python process alone never reaches them)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._procs: set[subprocess.Popen] = set()
-        self.cancelled = False
-
-    def run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-        with self._lock:
-            # Checked under the lock that cancel() takes: a compile starts
-            # either before the cancel (and is terminated) or not at all.
-            if self.cancelled:
-                raise Cancelled()
-            proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-            self._procs.add(proc)
-        try:
-            stdout, stderr = proc.communicate()
-        finally:
-            with self._lock:
-                self._procs.discard(proc)
-        if self.cancelled and proc.returncode != 0:
-            raise Cancelled()  # terminated by cancel(), not a compile error
-        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            procs = list(self._procs)
-        for p in procs:
-            with contextlib.suppress(OSError):
-                p.terminate()
-
-    def kill(self) -> None:
-        with self._lock:
-            procs = list(self._procs)
-        for p in procs:
-            with contextlib.suppress(OSError):
-                p.kill()
-
-
-def _run_compile(compilers: _Compilers, cwd: Path, source: str, target: Target, extra: list[str],
-                 out: Path) -> tuple[float, str]:
-    # `source` and any path in `extra` are relative to `cwd`: IREE records
-    # the paths it is given (source locations, dumped files) in the vmfb.
-    cmd = [iree_compile_path(), source, *target.flags, *extra, "-o", str(out)]
-    t0 = time.perf_counter()
-    proc = compilers.run(cmd, cwd)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0 or "error:" in proc.stderr:
-        out.unlink(missing_ok=True)
-        raise RuntimeError(f"iree-compile failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return seconds, proc.stderr
-
-
-def _compile_one(mlir: str, name: str, partial: Path, target: Target,
-                 compilers: _Compilers | None = None) -> tuple[float, dict, str]:
-    """Compiles `mlir` into `partial` (an absolute path; IREE does not record
-    the output's path). Returns (seconds, ISA report, stderr)."""
-    compilers = compilers or _Compilers()
-    with tempfile.TemporaryDirectory(prefix="turbine-fmha-dump-") as tmp:
-        tmp = Path(tmp)
-        # The source under the name it has in the artifact directory, so
-        # that compiler messages point at the .mlir kept next to the vmfb.
-        source = f"{name}.mlir"
-        (tmp / source).write_text(mlir)
-        dump = "files"
-        extra: list[str] = []
-        seconds = 0.0
-        attention_config = "IREE default"
-        if target.kind in tuning.KINDS:
-            # Pass 1: IREE's own configurations, then the tuned attention
-            # configuration substituted in pass 2 (turbine_fmha.tuning).
-            (tmp / "edited").mkdir()
-            seconds, _ = _run_compile(
-                compilers, tmp, source, target,
-                ["--compile-to=executable-configurations", "--iree-hal-dump-executable-configurations-to=configs"],
-                tmp / "configured.mlir",
-            )
-            extra = tuning.substitution_flags(tmp / "configs", tmp / "edited", flag_dir="edited")
-        dump_flag = f"--iree-hal-dump-executable-files-to={dump}"
-        try:
-            t, stderr = _run_compile(compilers, tmp, source, target, [*extra, dump_flag], partial)
-            if extra:
-                attention_config = f"tuned v{tuning.VERSION}: head dim untiled"
-        except RuntimeError:
-            if not extra:
-                raise
-            # The tuned configuration did not compile for this variant: keep
-            # IREE's own (slower, but a kernel).
-            t, stderr = _run_compile(compilers, tmp, source, target, [dump_flag], partial)
-            attention_config = "IREE default (tuned configuration failed to compile)"
-        seconds += t
-        report: dict = {}
-        if target.kind == "rocm":
-            report = rocm_isa_report(tmp / dump, target.name)
-        elif target.kind == "cuda":
-            report = cuda_isa_report(tmp / dump)
-        if target.kind != "cpu":
-            report["attention_config"] = attention_config
-        return seconds, report, stderr
 
 
 def load_manifest(out: Path) -> dict:
@@ -403,14 +199,20 @@ def build(
     compiles are terminated, the pending ones dropped, and the exception
     re-raised once the workers have stopped.
     """
-    from .kernels import render_variant
-
     # Absolute: iree-compile runs in a temporary directory (reproducible
     # builds), so a relative output path would point there.
-    out = Path(out).absolute()
-    version = compiler_version()
-    manifest = load_manifest(out)
-    by_key = {(a["target"], a["variant"]): a for a in manifest["artifacts"]}
+    builder = _Builder(Path(out).absolute(), force)
+    plan = _build_plan(targets, variants)
+    builder.render(v for v, _ in plan)
+    results = _run_all(builder, plan, jobs or os.cpu_count() or 1, progress)
+    failed = [r for r in results if r.error]
+    if failed:
+        msg = "\n\n".join(f"{r.target}/{r.variant}:\n{r.error}" for r in failed)
+        raise RuntimeError(f"{len(failed)} of {len(results)} compiles failed:\n{msg}")
+    return results
+
+
+def _build_plan(targets, variants) -> list[tuple[Variant, Target]]:
     plan: list[tuple[Variant, Target]] = []
     for tname in targets:
         target = get_target(tname)
@@ -425,67 +227,84 @@ def build(
             if reason:
                 raise ValueError(f"cannot build {v.name} for {target.name}: {reason}")
         plan.extend((v, target) for v in vs)
+    return plan
 
-    rendered: dict[Variant, str] = {}
-    for v, _ in plan:
-        if v not in rendered:
-            rendered[v] = render_variant(v)
 
-    compilers = _Compilers()
+class _Builder:
+    """Builds one (variant, target) at a time, from any thread, recording
+    each finished artifact in the manifest as it completes."""
 
-    def work(item: tuple[Variant, Target]) -> BuildResult:
+    def __init__(self, out: Path, force: bool):
+        self.out, self.force = out, force
+        self.version = compiler_version()
+        self.by_key = {(a["target"], a["variant"]): a for a in load_manifest(out)["artifacts"]}
+        self.rendered: dict[Variant, str] = {}
+        self.compilers = _Compilers()
+
+    def render(self, variants) -> None:
+        from .kernels import render_variant
+
+        for v in variants:
+            if v not in self.rendered:
+                self.rendered[v] = render_variant(v)
+
+    def _unchanged(self, v, target, shash: str) -> dict | None:
+        prev = self.by_key.get((target.name, v.name))
+        if (not self.force and prev is not None and prev.get("source_sha256") == shash
+                and prev.get("kernel_abi") == KERNEL_ABI and (self.out / prev["path"]).is_file()
+                and sha256_file(self.out / prev["path"]) == prev.get("sha256")):
+            return prev
+        return None
+
+    def work(self, item: tuple[Variant, Target]) -> BuildResult:
         v, target = item
-        if compilers.cancelled:
+        if self.compilers.cancelled:
             raise Cancelled()
-        mlir = rendered[v]
-        shash = source_hash(mlir, target, version)
-        mlir_path = out / target.name / f"{v.name}.mlir"
-        prev = by_key.get((target.name, v.name))
-        if (
-            not force
-            and prev is not None
-            and prev.get("source_sha256") == shash
-            and prev.get("kernel_abi") == KERNEL_ABI
-            and (out / prev["path"]).is_file()
-            and sha256_file(out / prev["path"]) == prev.get("sha256")
-        ):
+        mlir = self.rendered[v]
+        shash = source_hash(mlir, target, self.version)
+        prev = self._unchanged(v, target, shash)
+        if prev is not None:
             return BuildResult(v.name, target.name, prev, rebuilt=False)
-        atomic_write(mlir_path, mlir)
-        partial = _temp_name(out / target.name / f"{v.name}.vmfb", ".partial")
+        atomic_write(self.out / target.name / f"{v.name}.mlir", mlir)
+        partial = _temp_name(self.out / target.name / f"{v.name}.vmfb", ".partial")
         try:
             try:
-                seconds, report, _ = _compile_one(mlir, v.name, partial, target, compilers)
+                seconds, report, _ = _compile_one(mlir, v.name, partial, target, self.compilers)
             except RuntimeError as e:
                 return BuildResult(v.name, target.name, None, rebuilt=True, error=str(e))
-            sha = sha256_file(partial)
-            entry = {
-                "variant": v.name,
-                "target": target.name,
-                "driver": target.driver,
-                "path": f"{target.name}/{_vmfb_name(v.name, sha)}",
-                "mlir": f"{target.name}/{v.name}.mlir",
-                "sha256": sha,
-                "size": partial.stat().st_size,
-                "source_sha256": shash,
-                "kernel_abi": KERNEL_ABI,
-                "compiler_version": version,
-                "flags": list(target.flags),
-                "compile_seconds": round(seconds, 3),
-                "isa": report,
-            }
+            entry = self._entry(v, target, partial, shash, seconds, report)
             # Recorded by the worker, not the caller's thread, which an
             # interrupt may leave at any point: an artifact that finished is
             # kept whatever happens next.
-            _record(out, entry, partial, version)
+            _record(self.out, entry, partial, self.version)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 partial.unlink()
         return BuildResult(v.name, target.name, entry, rebuilt=True)
 
+    def _entry(self, v, target, partial: Path, shash: str, seconds: float, report: dict) -> dict:
+        sha = sha256_file(partial)
+        return {
+            "variant": v.name,
+            "target": target.name,
+            "driver": target.driver,
+            "path": f"{target.name}/{_vmfb_name(v.name, sha)}",
+            "mlir": f"{target.name}/{v.name}.mlir",
+            "sha256": sha,
+            "size": partial.stat().st_size,
+            "source_sha256": shash,
+            "kernel_abi": KERNEL_ABI,
+            "compiler_version": self.version,
+            "flags": list(target.flags),
+            "compile_seconds": round(seconds, 3),
+            "isa": report,
+        }
+
+
+def _run_all(builder: _Builder, plan, jobs: int, progress) -> list[BuildResult]:
     results: list[BuildResult] = []
-    jobs = jobs or os.cpu_count() or 1
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
-    futures = [pool.submit(work, item) for item in plan]
+    futures = [pool.submit(builder.work, item) for item in plan]
     try:
         for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             r = fut.result()
@@ -494,20 +313,16 @@ def build(
                 progress(i, len(plan), r)
     except BaseException:
         # Leaving the pool's `with` would wait for every queued compile.
-        compilers.cancel()
+        builder.compilers.cancel()
         pool.shutdown(wait=False, cancel_futures=True)
         # wait() never counts a future cancelled in the queue as done.
         started = [f for f in futures if not f.cancelled()]
         _, running = concurrent.futures.wait(started, timeout=2.0)
         if running:
-            compilers.kill()
+            builder.compilers.kill()
             concurrent.futures.wait(running, timeout=2.0)
         raise
     pool.shutdown()
-    failed = [r for r in results if r.error]
-    if failed:
-        msg = "\n\n".join(f"{r.target}/{r.variant}:\n{r.error}" for r in failed)
-        raise RuntimeError(f"{len(failed)} of {len(results)} compiles failed:\n{msg}")
     return results
 
 

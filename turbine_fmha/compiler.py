@@ -1,0 +1,149 @@
+"""Running iree-compile for one artifact: reproducibly (in a temporary
+directory, on relative paths), stoppably (every running compiler is known,
+so an interrupt terminates them), and failing on any `error:` IREE prints
+even when it exits 0."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import tuning
+from .isa import cuda_isa_report, rocm_isa_report
+from .targets import Target
+
+
+def compiler_version() -> str:
+    from iree.compiler.version import VERSION
+
+    return VERSION
+
+
+def iree_compile_path() -> str:
+    from iree.compiler.tools.binaries import find_tool
+
+    return find_tool("iree-compile")
+
+
+def source_hash(mlir: str, target: Target, version: str) -> str:
+    h = hashlib.sha256()
+    tuned = f"tuning {tuning.VERSION}" if target.kind in tuning.KINDS else ""
+    for part in (mlir, "\0".join(target.flags), version, tuned):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class Cancelled(Exception):
+    """The build was interrupted: no new compile starts."""
+
+
+class _Compilers:
+    """The running iree-compile processes of one build, so that an interrupt
+    can stop them at once instead of waiting for each (a SIGINT sent to the
+    Python process alone never reaches them)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self.cancelled = False
+
+    def run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        with self._lock:
+            # Checked under the lock that cancel() takes: a compile starts
+            # either before the cancel (and is terminated) or not at all.
+            if self.cancelled:
+                raise Cancelled()
+            proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            self._procs.add(proc)
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        if self.cancelled and proc.returncode != 0:
+            raise Cancelled()  # terminated by cancel(), not a compile error
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            procs = list(self._procs)
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.terminate()
+
+    def kill(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.kill()
+
+
+def _run_compile(compilers: _Compilers, cwd: Path, source: str, target: Target, extra: list[str],
+                 out: Path) -> tuple[float, str]:
+    # `source` and any path in `extra` are relative to `cwd`: IREE records
+    # the paths it is given (source locations, dumped files) in the vmfb.
+    cmd = [iree_compile_path(), source, *target.flags, *extra, "-o", str(out)]
+    t0 = time.perf_counter()
+    proc = compilers.run(cmd, cwd)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0 or "error:" in proc.stderr:
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"iree-compile failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return seconds, proc.stderr
+
+
+def _compile_one(mlir: str, name: str, partial: Path, target: Target,
+                 compilers: _Compilers | None = None) -> tuple[float, dict, str]:
+    """Compiles `mlir` into `partial` (an absolute path; IREE does not record
+    the output's path). Returns (seconds, ISA report, stderr)."""
+    compilers = compilers or _Compilers()
+    with tempfile.TemporaryDirectory(prefix="turbine-fmha-dump-") as tmp:
+        tmp = Path(tmp)
+        # The source under the name it has in the artifact directory, so
+        # that compiler messages point at the .mlir kept next to the vmfb.
+        source = f"{name}.mlir"
+        (tmp / source).write_text(mlir)
+        dump = "files"
+        extra: list[str] = []
+        seconds = 0.0
+        attention_config = "IREE default"
+        if target.kind in tuning.KINDS:
+            # Pass 1: IREE's own configurations, then the tuned attention
+            # configuration substituted in pass 2 (turbine_fmha.tuning).
+            (tmp / "edited").mkdir()
+            seconds, _ = _run_compile(
+                compilers, tmp, source, target,
+                ["--compile-to=executable-configurations", "--iree-hal-dump-executable-configurations-to=configs"],
+                tmp / "configured.mlir",
+            )
+            extra = tuning.substitution_flags(tmp / "configs", tmp / "edited", flag_dir="edited")
+        dump_flag = f"--iree-hal-dump-executable-files-to={dump}"
+        try:
+            t, stderr = _run_compile(compilers, tmp, source, target, [*extra, dump_flag], partial)
+            if extra:
+                attention_config = f"tuned v{tuning.VERSION}: head dim untiled"
+        except RuntimeError:
+            if not extra:
+                raise
+            # The tuned configuration did not compile for this variant: keep
+            # IREE's own (slower, but a kernel).
+            t, stderr = _run_compile(compilers, tmp, source, target, [dump_flag], partial)
+            attention_config = "IREE default (tuned configuration failed to compile)"
+        seconds += t
+        report: dict = {}
+        if target.kind == "rocm":
+            report = rocm_isa_report(tmp / dump, target.name)
+        elif target.kind == "cuda":
+            report = cuda_isa_report(tmp / dump)
+        if target.kind != "cpu":
+            report["attention_config"] = attention_config
+        return seconds, report, stderr

@@ -1,0 +1,75 @@
+"""ISA reports of GPU artifacts, read statically from what IREE dumps:
+ROCm register, LDS, scratch and MFMA figures from the .rocmasm, CUDA
+mma.sync counts and local memory from the PTX."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_AMDHSA_FIELDS = {
+    "vgpr_count": r"\.vgpr_count:\s+(\d+)",
+    "agpr_count": r"\.agpr_count:\s+(\d+)",
+    "sgpr_count": r"\.sgpr_count:\s+(\d+)",
+    "vgpr_spill_count": r"\.vgpr_spill_count:\s+(\d+)",
+    "sgpr_spill_count": r"\.sgpr_spill_count:\s+(\d+)",
+    "lds_bytes": r"\.group_segment_fixed_size:\s+(\d+)",
+    "scratch_bytes": r"\.private_segment_fixed_size:\s+(\d+)",
+}
+
+
+def _waves_per_simd(vgprs: int, agprs: int, arch: str) -> int:
+    # CDNA: 512 unified VGPRs per lane per SIMD (gfx90a+), allocated in
+    # granules of 8; at most 8 waves per SIMD.
+    regs = max(1, vgprs + agprs)
+    regs = (regs + 7) // 8 * 8
+    return max(0, min(8, 512 // regs))
+
+
+def rocm_isa_report(dump_dir: Path, arch: str) -> dict:
+    """Per-kernel register/LDS/scratch/MFMA figures read from the .rocmasm."""
+    asm_files = sorted(dump_dir.glob("*.rocmasm"))
+    kernels = []
+    for asm in asm_files:
+        text = asm.read_text(errors="replace")
+        # Kernel bodies: split on '.amdhsa_kernel'-free symbol markers; the
+        # metadata block lists each kernel with its figures in order.
+        meta = text[text.find("amdhsa.kernels:") :]
+        for block in re.split(r"\n\s+- \.", meta)[1:]:
+            name = re.search(r"\.name:\s+(\S+)", "." + block)
+            if not name:
+                continue
+            k = {"name": name.group(1)}
+            for key, pat in _AMDHSA_FIELDS.items():
+                m = re.search(pat, "." + block)
+                k[key] = int(m.group(1)) if m else 0
+            kernels.append(k)
+        # MFMA instructions per kernel, counted between its label and the
+        # next kernel's label.
+        labels = sorted(
+            (m.start(), m.group(1))
+            for m in re.finditer(r"^([A-Za-z_][\w.$]*):\s*$", text, re.M)
+            if any(k["name"] == m.group(1) for k in kernels)
+        )
+        for (start, name), nxt in zip(labels, labels[1:] + [(len(text), None)]):
+            body = text[start : nxt[0]]
+            for k in kernels:
+                if k["name"] == name:
+                    k["mfma_count"] = len(re.findall(r"\bv_mfma_", body))
+    for k in kernels:
+        k.setdefault("mfma_count", 0)
+        k["waves_per_simd"] = _waves_per_simd(k["vgpr_count"], k["agpr_count"], arch)
+    return {
+        "kernels": kernels,
+        "mfma_count": sum(k["mfma_count"] for k in kernels),
+        "spills": sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in kernels),
+        "scratch_bytes": max([k["scratch_bytes"] for k in kernels] or [0]),
+    }
+
+
+def cuda_isa_report(dump_dir: Path) -> dict:
+    ptx = "".join(p.read_text(errors="replace") for p in dump_dir.glob("*.ptx"))
+    return {
+        "mma_count": len(re.findall(r"\bmma\.sync\b", ptx)),
+        "local_memory_bytes": sum(int(x) for x in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx)),
+    }
