@@ -14,6 +14,7 @@ import numpy as np
 
 from .arrays import ops_for
 from .mask import MaskSpec
+from .signature import KERNEL_ARGS, call_args
 from .variants import Variant
 
 # The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
@@ -28,6 +29,11 @@ MASKED_CHUNK_ROWS = 64
 # Split-KV: a split covers at least this many keys.
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+# The kernel arguments each run brings, first in the signature's order; a
+# plan holds the rest.
+PER_RUN_ARGS = ("q", "k_cache", "v_cache")
+if KERNEL_ARGS[: len(PER_RUN_ARGS)] != PER_RUN_ARGS:  # pragma: no cover - a signature edit must keep them first
+    raise ImportError(f"the kernel signature must start with {PER_RUN_ARGS}, got {KERNEL_ARGS}")
 
 
 @dataclasses.dataclass
@@ -86,7 +92,8 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
     batch (seqlen_k 0, page 0) and query rows (zeros; their outputs are
     dropped) up to the variant's tiles. Arguments follow the kernel
     signature: block_table, seqlen_q, seqlen_k, kv_shift, fparams, iparams,
-    then alibi_slopes / bias / sinks where the variant has them."""
+    then alibi_slopes / bias / sinks where the variant has them: the order
+    the kernel signature declares (signature.call_args)."""
     fparams = np.array([c.scale, c.softcap, c.scale_o, c.scale_p], np.float32)
     left, right = c.mask.kernel_sides
     bias = c.bias
@@ -97,22 +104,23 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
         bias = _pad_axis(bias[..., :nk], 3, nk)
     mask = c.mask if variant.mask != "none" else MaskSpec()
 
+    order = [n for n in call_args(variant) if n not in PER_RUN_ARGS]
+
     def step(b0, b1, s, e, tile):
         pad = (lambda a: _pad_rows(a, tile[0])) if tile else (lambda a: a)
         w = _pages_needed(variant, c, mask, b0, b1, e)
-        args = [np.ascontiguousarray(pad(c.block_table[b0:b1])[:, :w])]
-        args += [pad(a[b0:b1]) for a in (c.seqlen_q, c.seqlen_k, c.kv_shift)]
-        args += [fparams, np.array([s, left, right, c.mask.sink], np.int32)]
-        if c.alibi_slopes is not None:
-            args.append(np.ascontiguousarray(pad(c.alibi_slopes[b0:b1])))
-        if bias is not None:
-            bb = bias[:, :, s:e, : w * variant.page_block_size]
-            if bias.shape[0] != 1:
-                bb = pad(bb[b0:b1])
-            args.append(np.ascontiguousarray(_pad_axis(bb, 2, tile[1]) if tile else bb))
-        if c.sinks is not None:
-            args.append(c.sinks)
-        return Step(b0, b1, s, e, tile, args, _placer(b0, b1, s, e))
+        args = dict(
+            block_table=lambda: np.ascontiguousarray(pad(c.block_table[b0:b1])[:, :w]),
+            seqlen_q=lambda: pad(c.seqlen_q[b0:b1]),
+            seqlen_k=lambda: pad(c.seqlen_k[b0:b1]),
+            kv_shift=lambda: pad(c.kv_shift[b0:b1]),
+            fparams=lambda: fparams,
+            iparams=lambda: np.array([s, left, right, c.mask.sink], np.int32),
+            alibi_slopes=lambda: np.ascontiguousarray(pad(c.alibi_slopes[b0:b1])),
+            bias=lambda: _bias_rows(bias, b0, b1, s, e, w * variant.page_block_size, tile, pad),
+            sinks=lambda: c.sinks,
+        )
+        return Step(b0, b1, s, e, tile, [args[n]() for n in order], _placer(b0, b1, s, e))
 
     if variant.formulation == "explicit":
         # f32 scores plus probabilities in q's type (f16 for fp8 q).
@@ -124,6 +132,13 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
     return [step(b0, min(c.batch, b0 + bt_t), s, min(c.rows, s + mq), (bt_t, mq))
             for b0 in range(0, c.batch, bt_t) for s in range(0, c.rows, mq)]
+
+
+def _bias_rows(bias, b0, b1, s, e, nk, tile, pad):
+    bb = bias[:, :, s:e, :nk]
+    if bias.shape[0] != 1:
+        bb = pad(bb[b0:b1])
+    return np.ascontiguousarray(_pad_axis(bb, 2, tile[1]) if tile else bb)
 
 
 def _placer(b0, b1, s, e):
