@@ -148,8 +148,8 @@ class _TorchDeviceCache(_DeviceCache):
         t = self.tensor
         if "float8" in str(t.dtype):
             t = t.view(torch.int8)  # the kernels take fp8 caches as their bytes
-        # The kernels run on IREE's stream: finish torch's writes first.
-        torch.cuda.synchronize(t.device)
+        # Callers synchronize torch's stream once before the kernels run
+        # (IREE runs on its own stream).
         self.array = session.import_torch(t)
 
 
@@ -224,6 +224,16 @@ class _Results:
                 for a in args]
             torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
         return self.session.to_torch(*self.session.run_variant(variant, *args, on_device=True, stats=stats))
+
+    def upload(self, a: np.ndarray):
+        """A small host array as a kernel argument on the session's device,
+        uploaded once: torch memory imported through DLPack on a GPU torch
+        path, else an IREE buffer."""
+        if self.torch_device is None or self.torch_device.type == "cpu":
+            import iree.runtime as rt
+
+            return rt.asdevicearray(self.session.device_of(), a)
+        return self.session.import_torch(_numpy_to_torch(a).to(self.torch_device, non_blocking=True))
 
     def index(self, a: np.ndarray):
         """An integer index array where this call's arrays live."""

@@ -164,17 +164,18 @@ class _Plan:
             v = self._variants[rows_finite] = self.session.select(self.key, self.rows, self.call.batch, rows_finite)
         return v
 
-    def _device_steps(self, variant) -> list:
-        """The variant's kernel calls, their tables on the device (once)."""
-        steps = self._steps.get(variant)
+    def _device_steps(self, variant, results) -> list:
+        """The variant's kernel calls, their tables on the device (once per
+        plan): through torch where results are torch tensors on a GPU (an
+        IREE upload allocates synchronously: ~0.2 ms each on the H200),
+        else IREE's own upload."""
+        key = (variant, str(results.torch_device))
+        steps = self._steps.get(key)
         if steps is None:
-            import iree.runtime as rt
-
-            dev = self.session.device_of()
             steps = kernel_steps(variant, self.call)
             for st in steps:
-                st.args = [rt.asdevicearray(dev, np.ascontiguousarray(a)) for a in st.args]
-            self._steps[variant] = steps
+                st.args = [results.upload(np.ascontiguousarray(a)) for a in st.args]
+            self._steps[key] = steps
         return steps
 
     def _rows_finite(self, v_cache) -> bool:
@@ -200,14 +201,19 @@ class _Plan:
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         results = _Results(session, like if torch_results else None)
         q = like.detach() if torch_results else _to_numpy(like, "q")
-        t = self.p.tables
-        out_shape = tuple(q.shape[:-1]) + (lay.hdim_v,)
-        if out is None:
-            out = results.empty(out_shape, lay.q_dtype, fill=0 if self.p.min_seqlen_q else None)
-        lse = results.empty((t.batch, lay.nhead_q, t.seqlen_q) if not t.group
-                            else (lay.nhead_q, t.total_q), np.float32, fill=-np.inf)
-        if self.rows:
-            self._compute(q, kc, vc, v_cache if not _is_torch(v_cache) else vc, results, out, lse)
+        if any(isinstance(c, _TorchDeviceCache) for c in (kc, vc)) and not torch_results:
+            import torch
+
+            torch.cuda.synchronize()  # the kernels run on IREE's stream: torch's writes first
+        variant = self._variant(self._rows_finite(v_cache if not _is_torch(v_cache) else vc)) if self.rows else None
+        steps = self._device_steps(variant, results) if variant is not None else []
+        if out is None and self._direct(steps):
+            # One kernel call computes exactly the output: its results are it.
+            out, lse = self._call(variant, steps[0], self._batch_q(q, results), kc, vc, results, stats=False)
+        else:
+            out, lse = self._allocate(q, out, results)
+            if variant is not None:
+                self._compute(variant, steps, q, kc, vc, results, out, lse)
         if torch_results or not _is_torch(like):
             return (out, lse) if return_lse else out
         out_t = _from_numpy(out, like)
@@ -253,10 +259,30 @@ class _Plan:
                 out.append(c)
         return out
 
-    def _compute(self, q, k_cache, v_cache, v_check, results, out, lse):
+    def _direct(self, steps) -> bool:
+        """Whether one kernel call's results are exactly the outputs (no
+        regrouping, splitting, chunking or padding)."""
+        if len(steps) != 1 or self.p.tables.group or self.splits > 1 or self.p.layout.static_quant:
+            return False
+        st = steps[0]
+        return (st.b0, st.b1, st.s, st.e) == (0, self.call.batch, 0, self.rows) and \
+            st.tile in (None, (self.call.batch, self.rows))
+
+    def _call(self, variant, st, qb, k_cache, v_cache, results, stats: bool):
+        kc, vc = (_kernel_cache(c, self.p.layout, self.session) for c in (k_cache, v_cache))
+        return results.run(variant, st.q(qb), kc, vc, *st.args, stats=stats)
+
+    def _allocate(self, q, out, results):
         lay, t = self.p.layout, self.p.tables
-        variant = self._variant(self._rows_finite(v_check))
-        kc, vc = (_kernel_cache(c, lay, self.session) for c in (k_cache, v_cache))
+        if out is None:
+            out = results.empty(tuple(q.shape[:-1]) + (lay.hdim_v,), lay.q_dtype,
+                                fill=0 if self.p.min_seqlen_q else None)
+        lse = results.empty((t.batch, lay.nhead_q, t.seqlen_q) if not t.group
+                            else (lay.nhead_q, t.total_q), np.float32, fill=-np.inf)
+        return out, lse
+
+    def _compute(self, variant, steps, q, k_cache, v_cache, results, out, lse):
+        lay, t = self.p.layout, self.p.tables
         qb = self._batch_q(q, results)
         if lay.static_quant:
             qb = qb.view(np.int8)  # fp8 travels as i8
@@ -272,8 +298,8 @@ class _Plan:
         if self.splits > 1:
             dst = [results.empty((n, rows, lay.nhead_q, lay.hdim_v), lay.q_dtype)]
             dst += [results.empty((n, lay.nhead_q, rows), np.float32) for _ in range(3)]
-        for st in self._device_steps(variant):
-            st.place(dst, results.run(variant, st.q(qb), kc, vc, *st.args, stats=len(dst) > 2))
+        for st in steps:
+            st.place(dst, self._call(variant, st, qb, k_cache, v_cache, results, stats=len(dst) > 2))
         if self.splits > 1:
             o_c, l_c = results.combine(*dst, self.splits, self.p.scores.sinks)
             out_b[...] = o_c  # rounded to q's dtype once

@@ -8,6 +8,7 @@ those tokens, so writing and parsing a name cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 _ABSENT = object()
@@ -77,8 +78,9 @@ class Named:
 
     names: NameCodec
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
+        # Cached: the runtime keys loaded modules by name on every call.
         return type(self).names.write(self)
 
     @classmethod
