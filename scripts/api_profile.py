@@ -38,7 +38,12 @@ def main() -> int:
     ap.add_argument("--planned", action="store_true",
                     help="profile PagedAttention.run() on tables planned once (kv_rows_finite=True), and time the "
                          "kernel alone (back-to-back calls, one final wait)")
+    ap.add_argument("--iree-flags", default="", help="IREE runtime flags to parse first, e.g. --cuda_async_allocations=false")
     args = ap.parse_args()
+    if args.iree_flags:
+        import iree.runtime as rt
+
+        rt.flags.parse_flags(*args.iree_flags.split())
     session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)
     b, sk, hq, hk, d, page = args.batch, args.seqlen_k, 32, 8, 128, 16
@@ -76,7 +81,7 @@ def main() -> int:
         call()
         times.append((time.perf_counter() - t0) * 1e3)
     print(f"{args.device}: median {statistics.median(times):.2f} ms per call over {args.calls} calls, "
-          f"kernel {session.last_variant.name}")
+          f"kernel {session.last_variant.name}, results exported zero-copy: {getattr(session, '_exports', True)}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):

@@ -31,6 +31,8 @@ from .variants import KERNEL_ABI, AppendKernel, Variant, parse_kernel
 ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
 ENV_CACHE = "TURBINE_FMHA_CACHE"
 ENV_MANIFEST_SHA256 = "TURBINE_FMHA_MANIFEST_SHA256"
+# "1" keeps IREE's stream-ordered CUDA allocations (see _shared_config).
+ENV_CUDA_ASYNC_ALLOCATIONS = "TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS"
 
 
 def default_artifact_dir() -> Path:
@@ -335,6 +337,13 @@ def _shared_config(driver: str):
 
             if driver == "local-task":
                 _set_cpu_topology_once()
+            if driver == "cuda" and os.environ.get(ENV_CUDA_ASYNC_ALLOCATIONS, "0") != "1":
+                # Plain allocations for results: torch can then take them
+                # zero-copy (DLPack refuses stream-ordered ones), which cut
+                # 0.3 ms from a decode call on the H200 (docs/benchmarks.md).
+                # Process-wide, like every IREE flag: it applies to CUDA
+                # devices created after it.
+                rt.flags.parse_flags("--cuda_async_allocations=false")
             config = _CONFIGS[driver] = rt.Config(driver)
         return config
 
