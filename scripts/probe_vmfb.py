@@ -20,9 +20,10 @@ import iree.runtime as rt  # noqa: E402
 
 import bench  # noqa: E402
 from bench import HQ, PAGE, SHAPES, make_inputs, median_ms  # noqa: E402
-from turbine_fmha.plan import KernelCall, plan_calls  # noqa: E402
+from turbine_fmha.mask import MaskSpec  # noqa: E402
+from turbine_fmha.plan import KernelCall, kernel_steps  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
-from turbine_fmha.variants import UNBOUNDED, Variant  # noqa: E402
+from turbine_fmha.variants import Variant  # noqa: E402
 
 
 def main() -> int:
@@ -40,9 +41,10 @@ def main() -> int:
     bench.PAGE = args.page  # make_inputs pages by the module's PAGE
     q, kc, vc, bt, sk = make_inputs(rng, shape, v.dtype)
     b, sq = shape["batch"], shape["seqlen_q"]
-    call = KernelCall(q=q, block_table=bt, seqlen_q=np.full(b, sq, np.int32), seqlen_k=sk, kv_shift=np.zeros(b, np.int32),
-                      scale=1 / math.sqrt(v.hdim_q), softcap=0.0, scale_o=1.0, scale_p=1.0, left=UNBOUNDED,
-                      right=0 if v.mask != "none" else UNBOUNDED, sink_size=0, alibi_slopes=None, bias=None, sinks=None)
+    call = KernelCall(rows=sq, q_itemsize=q.itemsize, nhead_q=HQ, block_table=bt, seqlen_q=np.full(b, sq, np.int32),
+                      seqlen_k=sk, kv_shift=np.zeros(b, np.int32), scale=1 / math.sqrt(v.hdim_q), softcap=0.0,
+                      scale_o=1.0, scale_p=1.0, mask=MaskSpec(v.mask, -1, 0 if v.mask != "none" else -1),
+                      alibi_slopes=None, bias=None, sinks=None)
     config = rt.Config(args.device)
     dev = config.device
     kc_d, vc_d = rt.asdevicearray(dev, kc), rt.asdevicearray(dev, vc)
@@ -54,7 +56,8 @@ def main() -> int:
         ctx = rt.SystemContext(vm_modules=[vm], config=config)
         fn = ctx.modules.module[v.name]
         calls, places = [], []
-        for a, place in plan_calls(v, call):
+        for st in kernel_steps(v, call):
+            a, place = [st.q(q), *st.args], st.place
             d = [rt.asdevicearray(dev, x) for x in a]
             calls.append([d[0], kc_d, vc_d, *d[1:]])
             places.append(place)
