@@ -26,6 +26,7 @@ from .arrays import (
     kernel_host_array,
     overlapping,
 )
+from .checks import check_int
 from .modes import active_sequences, bias_rows, gappy_table, regroup
 from .plan import (
     KernelCall,
@@ -96,8 +97,6 @@ class PagedAttention:
                                   v_layout=v_layout)
         if seqstart_q is None:
             rows = np.shape(_to_numpy(block_table, "block_table"))
-            from .checks import check_int
-
             q_shape = (rows[0] if rows else 0, check_int(seqlen_q, "seqlen_q", minimum=0))
         else:
             starts = _to_numpy(seqstart_q, "seqstart_q")
@@ -194,7 +193,7 @@ class _Plan:
         return all(rows_finite(v_cache, pages, sel) for pages, sel in self.stale)
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
-        lay, session = self.p.layout, self.session
+        session = self.session
         _check_tensor_devices(session.device, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
         like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
         if not isinstance(return_lse, bool):
@@ -242,22 +241,18 @@ class _Plan:
         if out is not None:
             _check_out(out, q, torch_results, (info.shape[:-1] + (lay.hdim_v,)), lay.q_dtype,
                        dict(q=q, k_cache=k_cache, v_cache=v_cache), session)
-        return q, *self._kernel_caches(caches), torch_results
+        return q, *self._bind_caches(caches), torch_results
 
-    def _kernel_caches(self, caches):
-        out = []
+    def _bind_caches(self, caches):
+        """torch GPU caches imported for this run; IREE device arrays must
+        be the session's."""
         for name, c in zip(("k_cache", "v_cache"), caches):
             if isinstance(c, _TorchDeviceCache):  # its device was checked on entry
                 c.bind(self.session)
-                out.append(c)
-            elif isinstance(c, _DeviceCache):
-                if c.array._device is not self.session.device_of():
-                    raise ValueError(f"{name} is a DeviceArray of another device than the session's "
-                                     f"({self.session.device})")
-                out.append(c)
-            else:
-                out.append(c)
-        return out
+            elif isinstance(c, _DeviceCache) and c.array._device is not self.session.device_of():
+                raise ValueError(f"{name} is a DeviceArray of another device than the session's "
+                                 f"({self.session.device})")
+        return caches
 
     def _direct(self, steps) -> bool:
         """Whether one kernel call's results are exactly the outputs (no
