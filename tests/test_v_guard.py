@@ -111,10 +111,9 @@ def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, onl
 
 @pytest.mark.parametrize("poison", ["none", "k_tail", "v_tail", "v_gappy_head", "visible"])
 def test_stale_rows_check_on_torch_caches(rng, poison):
-    """torch caches are checked by torch_rows_finite on their own device
+    """torch caches are checked by the same rows_finite, on their own device
     (here the CPU): same answer as the numpy check for each placement."""
     torch = pytest.importorskip("torch")
-    from turbine_fmha.plan import torch_rows_finite
 
     page, lens, shift = 16, [17, 40, 5], np.array([0, 0, 3], np.int32)
     q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 8],
@@ -130,7 +129,7 @@ def test_stale_rows_check_on_torch_caches(rng, poison):
         k[bt[1, 0], 3] = np.nan  # a real key: not a stale row
     want = stale_rows_finite(v, bt, sk, shift, page)
     assert want == (poison in ("none", "visible", "k_tail"))  # stale K never matters
-    got = stale_rows_finite(torch.from_numpy(v), bt, sk, shift, page, rows_finite=torch_rows_finite)
+    got = stale_rows_finite(torch.from_numpy(v), bt, sk, shift, page)
     assert got == want
 
 

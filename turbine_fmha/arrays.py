@@ -243,10 +243,6 @@ class _Results:
 
         return torch.as_tensor(a, device=self.torch_device)
 
-    def combine(self, o, lse, m, l, n, sinks):
-        from .plan import combine_splits
-
-        return combine_splits(o, lse, m, l, n, sinks)
 
 
 def _numpy_to_torch(a: np.ndarray):
@@ -374,6 +370,13 @@ class _TorchOps:
 _NUMPY_OPS = _NumpyOps()
 
 
+_TORCH_OPS: list = []  # made on first use: torch is imported only for torch arrays
+
+
 def ops_for(x):
     """The array operations for x's kind (numpy or torch)."""
-    return _TorchOps() if _is_torch(x) else _NUMPY_OPS
+    if not _is_torch(x):
+        return _NUMPY_OPS
+    if not _TORCH_OPS:
+        _TORCH_OPS.append(_TorchOps())
+    return _TORCH_OPS[0]

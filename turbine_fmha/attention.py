@@ -30,6 +30,7 @@ from .checks import check_int
 from .modes import active_sequences, bias_rows, gappy_table, regroup
 from .plan import (
     KernelCall,
+    combine_splits,
     kernel_steps,
     num_splits_heuristic,
     repeat_rows,
@@ -296,7 +297,7 @@ class _Plan:
         for st in steps:
             st.place(dst, self._call(variant, st, qb, k_cache, v_cache, results, stats=len(dst) > 2))
         if self.splits > 1:
-            o_c, l_c = results.combine(*dst, self.splits, self.p.scores.sinks)
+            o_c, l_c = combine_splits(*dst, self.splits, self.p.scores.sinks)
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
         if t.group:

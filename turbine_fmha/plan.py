@@ -296,9 +296,6 @@ def rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
     return bool(xp.isfinite(xp.f32(cache[xp.like(pages, cache)][xp.like(sel, cache)])).all())
 
 
-torch_rows_finite = rows_finite  # the name tests know
-
-
 def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):
     """The V rows that a kernel reads but that hold no key, as (pages, sel)
     pairs: cache[pages][sel] are those rows. A variant without the
@@ -326,7 +323,7 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
 
 
 def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray,
-                      kv_shift: np.ndarray, page: int, rows_finite=rows_finite) -> bool:
+                      kv_shift: np.ndarray, page: int) -> bool:
     """Whether the stale_rows of a row-major cache [pages, page, heads, dim]
     (numpy or torch) are finite."""
     pairs = stale_rows(block_table, seqlen_k, kv_shift, page)
