@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import turbine_fmha
@@ -138,6 +138,12 @@ FOUND_MASKED_V_NAN = dict(dtype="f16", hq=4, hk=2, d=32, dv=32, page=1, lens_q=[
 @example(p=FOUND_SPLIT_BIAS)
 @example(p=FOUND_MASKED_V_NAN)
 def test_random_problems_match_the_reference(explicit_session, online_session, p):
+    # Not promised (docs/reliability.md): the online kernels get q scaled
+    # in q's dtype (IREE folds scale * log2 e into q), so a scale of 1e-30
+    # flushes f16 q to 0, and 0 x Inf in K is NaN where the reference, in
+    # f64, sees +-Inf.
+    assume(not (p["formulation"] == "online" and p["dtype"] == "f16" and (p.get("scale") or 1.0) < 1e-4
+                and p.get("poison") in ("k_inf", "k_ninf")))
     args, kw = _build(p)
     session = explicit_session if p["formulation"] == "explicit" else online_session
     if p.get("alias"):
