@@ -3,7 +3,7 @@
 serve a few decode and prefill requests over one shared page pool, verify
 each against the float64 reference, print a table.
 
-Run after `turbine-fmha build --targets host --out artifacts` (scripts/run_demo.sh
+Run after `turbine-fmha build --targets host --artifacts artifacts` (scripts/run_demo.sh
 does both).
 """
 

@@ -168,8 +168,8 @@ def test_device_resident_pool(explicit_session, rng, dtype):
             s = live[int(rng.integers(len(live)))]
             n = int(rng.integers(1, 20))
             try:
-                cache.append(s, rng.standard_normal((n, 2, 64)).astype(np.float16),
-                             rng.standard_normal((n, 2, 64)).astype(np.float16))
+                cache.append(s, rng.standard_normal((n, 2, 64)).astype(cache.dtype),
+                             rng.standard_normal((n, 2, 64)).astype(cache.dtype))
             except CacheFullError:
                 cache.free(live.pop(0)) if len(live) > 1 else None
         np.testing.assert_array_equal(cache.k_dev.to_host(), raw(cache.k))
@@ -200,22 +200,23 @@ def _assert_state(cache, seqs, before):
 
 
 def test_a_freed_request_cannot_poison_the_next(online_session, rng):
-    """Issue 12 item 1: request A stores a V row that is finite as given
-    (float32 7e4) but +Inf in the f16 pool, then finishes; request B reuses
-    its page, whose stale rows still hold A's +Inf. The cache used to judge
-    finiteness from the caller's float32 array, so B ran on the kernel
-    without the stale-row guard and got an all-NaN output."""
+    """Issue 12 item 1: request A stores a V row that is +Inf in the f16
+    pool (float32 7e4, cast by the caller: appends refuse other dtypes),
+    then finishes; request B reuses its page, whose stale rows still hold
+    A's +Inf. The cache once judged finiteness from the caller's float32
+    array, so B ran on the kernel without the stale-row guard and got an
+    all-NaN output."""
     cache = PagedKVCache(4, 16, HK, D, "f16")
     a = cache.allocate()
-    k_a, v_a = _tokens(rng, 6)
-    v_a[4] = 7e4  # rounds to +Inf in float16
+    k_a, v_a = (t.astype(np.float16) for t in _tokens(rng, 6))
+    v_a[4] = np.inf  # what float32 7e4 becomes in float16
     cache.append(a, k_a, v_a)
     assert not cache.values_finite, "the cache claims finite values but stores +Inf"
     page_a = cache.pages(a)[0]
     cache.free(a)
     b = cache.allocate()
     k_b, v_b = _tokens(rng, 3)
-    cache.append(b, k_b, v_b)
+    cache.append(b, k_b.astype(np.float16), v_b.astype(np.float16))
     assert cache.pages(b) == [page_a]  # B's rows 3.. are A's, +Inf among them
     q = rng.standard_normal((1, 1, 4, D)).astype(np.float16)
     out = cache.attend(q, [b], session=online_session)
@@ -224,7 +225,7 @@ def test_a_freed_request_cannot_poison_the_next(online_session, rng):
     assert np.isfinite(out).all(), "another request's data changed this output"
     assert np.abs(out.astype(np.float64) - ref).max() <= 5e-3 * np.abs(ref).max()  # conftest OUT_TOL f16
     # Once B's own rows cover A's, the pool is finite again.
-    cache.append(b, *_tokens(rng, 13))
+    cache.append(b, *(t.astype(np.float16) for t in _tokens(rng, 13)))
     assert cache.values_finite
 
 
@@ -258,3 +259,62 @@ def test_append_failures_change_nothing(explicit_session, rng):
     kb, vb = cache.gather(b)
     np.testing.assert_array_equal(kb[6:], k)
     np.testing.assert_array_equal(cache.k_dev.to_host(), cache.k)
+
+
+def test_append_takes_torch_and_refuses_other_dtypes(explicit_session, rng):
+    """Issue 15 item 3: torch rows (bf16 included) are appended as given;
+    a dtype other than the pool's is refused by name instead of being
+    cast, and changes nothing."""
+    import ml_dtypes
+    import torch
+
+    cache = PagedKVCache(6, 4, HK, D, "bf16", session=explicit_session)
+    a = cache.allocate()
+    k, v = (t.astype(ml_dtypes.bfloat16) for t in _tokens(rng, 6))
+    as_torch = [torch.from_numpy(t.view(np.int16)).view(torch.bfloat16) for t in (k, v)]
+    cache.append(a, *as_torch)
+    before = _state(cache, [a])
+    for bad_k, bad_v, name in ((k.astype(np.float32), v, "k_new"), (k, as_torch[1].half(), "v_new"),
+                               (as_torch[0].float(), v, "k_new")):
+        with pytest.raises(TypeError, match=f"^{name} has dtype"):
+            cache.append(a, bad_k, bad_v)
+    _assert_state(cache, [a], before)
+    got = cache.gather(a)
+    np.testing.assert_array_equal(got[0].view(np.int16), k.view(np.int16))
+    np.testing.assert_array_equal(got[1].view(np.int16), v.view(np.int16))
+    np.testing.assert_array_equal(cache.k_dev.to_host().view(np.int16), cache.k.view(np.int16))
+
+
+def test_device_pool_without_host_mirror(explicit_session, rng):
+    """host_mirror=False: no host copy of the pool; appends (numpy and
+    torch) land on the device pool, values_finite follows the stored V
+    rows, attention runs on it, and fork (whose copy-on-write needs the
+    mirror) is refused."""
+    import torch
+
+    cache = PagedKVCache(8, 4, HK, D, "f32", session=explicit_session, host_mirror=False)
+    assert cache.k is None and cache.v is None
+    a, b = cache.allocate(), cache.allocate()
+    rec = {a: [_tokens(rng, 6)], b: [_tokens(rng, 3)]}
+    cache.append(a, *rec[a][0])
+    cache.append(b, *(torch.from_numpy(t) for t in rec[b][0]))
+    rec[a].append(_tokens(rng, 5))
+    rec[a][1][1][2, 1, 3] = np.nan
+    cache.append(a, *rec[a][1])
+    assert not cache.values_finite
+    for s in (a, b):
+        _assert_holds(cache, s, rec[s])
+    with pytest.raises(ValueError, match="host_mirror"):
+        cache.fork(a)
+    q = rng.standard_normal((1, 2, 4, D)).astype(np.float32)
+    out, lse = cache.attend(q, [b], mask_type="bottom_right", return_lse=True)
+    bt, sk = cache.batch([b])
+    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k_dev.to_host(), cache.v_dev.to_host(), bt, sk,
+                                      mask_type="bottom_right")
+    _check(out, lse, ref, ref_lse, "f32")
+    nan_page = cache.pages(a)[2]
+    cache.free(a)
+    assert not cache.values_finite  # a freed page keeps its rows until they are overwritten
+    c = cache.allocate()
+    cache.append(c, *_tokens(rng, 9))  # reuses a's pages; its 9th row overwrites the NaN one
+    assert nan_page in cache.pages(c) and cache.values_finite

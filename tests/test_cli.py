@@ -1,29 +1,183 @@
-"""`turbine-fmha run` and `bench` (issue 6) on small problems, compiling
-what they need into the test cache."""
+"""`turbine-fmha` commands: run and bench on small problems (compiling what
+they need into the test cache), one-line errors, --json, pipes, --version,
+and the build of a model's variant set."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
 from conftest import CACHE
 from turbine_fmha.cli import main
+from turbine_fmha.variants import KERNEL_ABI
 
-SMALL = ["--compile-missing", "--artifacts", str(CACHE / "none"), "--nhead-q", "4", "--nhead-k", "2",
-         "--hdim", "64", "--page", "16"]
+SHAPE = ["--nhead-q", "4", "--nhead-k", "2", "--hdim", "64", "--page", "16"]
 
 
-def test_run_verifies(monkeypatch, capsys):
+@pytest.fixture
+def small(monkeypatch, tmp_path):
+    """run/bench arguments: an empty artifact directory, variants compiled
+    into the test cache."""
     monkeypatch.setenv("TURBINE_FMHA_CACHE", str(CACHE))
-    assert main(["run", *SMALL, "--batch", "3", "--seqlen-q", "7", "--seqlen-k", "40,1,90",
+    (tmp_path / "empty").mkdir()
+    return ["--compile-missing", "--artifacts", str(tmp_path / "empty"), *SHAPE]
+
+
+def cli(argv) -> int:
+    """main() as the console script runs it: argparse's exits become codes."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_run_verifies(small, capsys):
+    assert main(["run", *small, "--batch", "3", "--seqlen-q", "7", "--seqlen-k", "40,1,90",
                  "--mask", "bottom_right"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "pagedkv_fwd_f16_d64x64_h4x2_pg16_mbr" in out
+    assert main(["run", *small, "--batch", "2", "--seqlen-k", "600", "--num-splits", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["passed"] is True and result["output_rel_err"] <= result["output_bound"]
 
 
-def test_run_split_kv_and_bench(monkeypatch, capsys):
-    monkeypatch.setenv("TURBINE_FMHA_CACHE", str(CACHE))
-    assert main(["run", *SMALL, "--batch", "2", "--seqlen-k", "600", "--num-splits", "3"]) == 0
-    assert "PASS" in capsys.readouterr().out
-    assert main(["bench", *SMALL, "--batch", "2", "--seqlen-k", "300", "--repeat", "2"]) == 0
-    assert "median" in capsys.readouterr().out
+def test_bench_decode_gbs_prefill_tflops_with_baseline(small, capsys):
+    assert main(["bench", *small, "--batch", "2", "--seqlen-k", "300", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "TFLOP/s" not in out and "torch gather+SDPA: median" in out
+    assert main(["bench", *small, "--batch", "1", "--seqlen-q", "64", "--seqlen-k", "200", "--mask",
+                 "bottom_right", "--repeat", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kind"] == "prefill" and result["unit"] == "TFLOP/s"
+    assert result["baseline"]["name"] == "torch gather+SDPA" and result["baseline"]["median_ms"] > 0
+    assert main(["bench", *small, "--batch", "1", "--seqlen-k", "20", "--repeat", "1", "--no-baseline"]) == 0
+    assert "skipped (--no-baseline)" in capsys.readouterr().out
+
+
+def test_bench_baseline_computes_the_same_attention():
+    """The baseline is only a baseline if it computes what turbine-fmha
+    does: the reference's output, masks and ragged lengths included."""
+    from turbine_fmha.cli import parser
+    from turbine_fmha.cli_run import _random_problem, torch_gather_sdpa
+    from turbine_fmha.reference import fmha_fwd_paged_ref
+
+    for mask, sq in (("none", 1), ("bottom_right", 5), ("top_left", 5)):
+        args = parser().parse_args(["bench", *SHAPE, "--dtype", "f32", "--batch", "3", "--seqlen-q", str(sq),
+                                    "--seqlen-k", "40,17,33", "--mask", mask])
+        prob, kw = _random_problem(args, np.random.default_rng(0))
+        out = torch_gather_sdpa(args, prob)().transpose(1, 2).numpy()
+        ref, _ = fmha_fwd_paged_ref(*prob, mask_type=mask, window_size_right=kw["window_size_right"])
+        np.testing.assert_allclose(out, ref, atol=1e-4)
+
+
+def _manifest_dir(tmp_path, targets=("host", "cuda")):
+    """An artifact directory whose manifest lists one variant on `targets`
+    and a second on host (list and inspect read only the manifest)."""
+    d = tmp_path / "arts"
+    d.mkdir()
+    names = ["pagedkv_fwd_f16_d64x64_h4x2_pg16_nmask_lse_explicit"] * len(targets)
+    names.append("pagedkv_fwd_f32_d64x64_h4x2_pg16_nmask_lse_explicit")
+    entries = [dict(variant=v, target=t, path=f"{t}/{v}.vmfb", sha256="0" * 64, compiler_version="3.13.0",
+                    kernel_abi=KERNEL_ABI, size=100, compile_seconds=1.5, flags=["--x"], isa={})
+               for v, t in zip(names, [*targets, "host"])]
+    (d / "manifest.json").write_text(json.dumps(dict(manifest_version=1, compiler_version="3.13.0",
+                                                     artifacts=entries)))
+    return d, names[0]
+
+
+def test_list_and_inspect_json(tmp_path, capsys):
+    d, name = _manifest_dir(tmp_path)
+    assert main(["list", "--artifacts", str(d), "--json"]) == 0
+    assert [a["target"] for a in json.loads(capsys.readouterr().out)] == ["host", "cuda", "host"]
+    assert main(["list", "--out", str(d), "--target", "cuda"]) == 0  # --out: the old name
+    assert ": compiler 3.13.0, 1 artifact\ncuda " in capsys.readouterr().out
+    # Several matches: one JSON list, not concatenated objects.
+    assert main(["inspect", name, "--artifacts", str(d), "--json"]) == 0
+    assert [a["target"] for a in json.loads(capsys.readouterr().out)] == ["host", "cuda"]
+    assert main(["inspect", name, "--artifacts", str(d), "--target", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "cuda"
+    assert main(["inspect", name, "--artifacts", str(d), "--target", "cuda"]) == 0
+    assert capsys.readouterr().out.startswith(f"cuda/{name}\n  variant")
+
+
+def _error_cases(tmp_path):
+    missing = str(tmp_path / "missing")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text('{"artifacts": []}')
+    return [
+        (["run", "--batch", "0"], "--batch"),
+        (["bench", "--seqlen-k", "5,-1", "--batch", "2"], "--seqlen-k"),
+        (["run", "--seqlen-k", "5,6", "--batch", "3", "--artifacts", str(tmp_path)], "--seqlen-k"),
+        (["run", "--nhead-q", "4", "--nhead-k", "3", "--artifacts", str(tmp_path)], "--nhead-q"),
+        (["list", "--artifacts", missing], f"--artifacts: {missing} does not exist"),
+        (["inspect", "v", "--artifacts", missing], f"--artifacts: {missing} does not exist"),
+        (["run", "--artifacts", missing, "--compile-missing"], f"--artifacts: {missing} does not exist"),
+        (["bench", "--artifacts", missing], f"--artifacts: {missing} does not exist"),
+        (["list", "--artifacts", str(tmp_path)], "no manifest.json in"),
+        (["run", "--artifacts", str(broken)], "manifest_version: missing"),
+        (["build", "--targets", "host,nope"], "--targets: unknown target 'nope'"),
+        (["build", "--variants", "nope"], "--variants"),
+        (["build", "--nhead-k", "2"], "--nhead-q is required"),
+        (["build", "--model-config", missing], f"cannot read {missing}"),
+        (["build", "--nhead-q", "4", "--nhead-k", "3", "--hdim", "64"], "nhead_q (4) must be a multiple of nhead_k (3)"),
+    ]
+
+
+def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    for argv, words in _error_cases(tmp_path):
+        assert cli(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "Traceback" not in err, (argv, err)
+
+
+def test_piped_into_a_closed_reader_exits_quietly(tmp_path):
+    """`turbine-fmha list | head`: the reader has gone when the output comes."""
+    d, _ = _manifest_dir(tmp_path)
+    code = "import sys; from turbine_fmha.cli import main; sys.exit(main())"
+    p = subprocess.Popen([sys.executable, "-c", code, "list", "--artifacts", str(d)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the child has imported anything, let alone written
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err == ""
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    assert cli(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"turbine-fmha {importlib.metadata.version('turbine-fmha')}"
+
+
+def test_build_model_config_builds_the_model_set(tmp_path, monkeypatch, capsys):
+    """--model-config: each target gets model_variants of the config's
+    shape, flags win over the config, with the progress bar."""
+    import turbine_fmha.build as tfb
+    from turbine_fmha.model_set import ModelShape, model_variants
+
+    seen = {}
+
+    def fake_build(out, targets, variants, *, jobs, progress, force):
+        seen.update(out=out, variants=variants, progress=progress)
+        return []
+
+    monkeypatch.setattr(tfb, "build", fake_build)
+    monkeypatch.setattr(tfb, "manifest_digest", lambda out: "0" * 64)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=768,
+                                   torch_dtype="bfloat16")))
+    assert main(["build", "--model-config", str(cfg), "--targets", "host,cuda", "--page", "16,32",
+                 "--artifacts", str(tmp_path / "a")]) == 0
+    shape = ModelShape(12, 4, 64, 64, "bf16", (16, 32))
+    assert seen["variants"] == {t: model_variants(shape, t) for t in ("host", "cuda")}
+    assert isinstance(seen["progress"], tfb.ProgressBar) and seen["out"] == tmp_path / "a"
+    assert "model set: 12/4 heads, head dims 64/64, bf16, pages 16,32" in capsys.readouterr().err
+    assert main(["build", "--nhead-q", "8", "--hdim", "96", "--dtype", "f32", "--artifacts", str(tmp_path)]) == 0
+    assert seen["variants"] == {"host": model_variants(ModelShape(8, 8, 96, 96, "f32"), "host")}
 
 
 def test_build_progress_bar_redraws_one_line_on_a_terminal():

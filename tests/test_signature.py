@@ -137,8 +137,8 @@ def test_templates_add_no_zero():
 
 def test_templates_are_package_data():
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = conf["tool"]["setuptools"]["package-data"]["turbine_fmha"]
-    names = [p.relative_to(ROOT / "turbine_fmha").as_posix() for p in TEMPLATES.iterdir()]
+    patterns = conf["tool"]["setuptools"]["package-data"]["turbine_fmha.templates"]
+    names = [p.name for p in TEMPLATES.iterdir() if p.name != "__pycache__"]
     assert names and all(any(fnmatch.fnmatch(n, p) for p in patterns) for n in names)
     assert kernels.mlir_dir() == TEMPLATES or kernels.mlir_dir().is_dir()
 

@@ -9,9 +9,13 @@ offending argument.
 
 from __future__ import annotations
 
-from .arrays import _check_tensor_devices, overlapping
+import sys
+
+from .arrays import _check_tensor_devices, _is_torch, overlapping
 from .attention import PagedAttention, _Plan, resolve_session
+from .flash_attn import conventions, kvcache_seqlens
 from .modes import paged_view
+from .plan_cache import call_key
 from .problem import from_arrays
 from .runtime import Session, default_session
 
@@ -45,6 +49,9 @@ def fmha_fwd_paged(
     num_splits=None,
     kv_rows_finite=None,
     return_lse=False,
+    causal=False,
+    softmax_scale=None,
+    window_size=None,
     device="cpu",
     session: Session | None = None,
 ):
@@ -142,6 +149,10 @@ def fmha_fwd_paged(
         (guarded kernels).
       return_lse: also return LSE (float32, natural log); -inf for rows with
         no visible key (whose output is 0).
+      causal / softmax_scale / window_size: flash-attn's spellings: causal=True
+        is mask_type="bottom_right" with window_size_right=0; window_size is
+        (left, right), bottom-right aligned unless mask_type is given. Two
+        spellings that disagree raise ValueError naming both.
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
       session: a `Session` to run on (default: one shared per device).
 
@@ -159,36 +170,45 @@ def fmha_fwd_paged(
     session. torch tensors on any other device than the session's GPU
     (cuda:0), including any GPU tensor for a "cpu" session, raise
     ValueError naming the argument; so do DeviceArrays of another device.
+
+    Inside torch.compile, torch tensors go through torch.ops.turbine_fmha
+    (turbine_fmha.torch_ops). No backward: a tensor that requires grad
+    raises ValueError unless grad mode is off.
     """
+    if _compiling():
+        return _torch_ops().call_op("paged", **locals())  # locals(): the arguments, nothing else yet
+    terms = conventions(scale=scale, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        mask_type=mask_type, window_size_left=window_size_left, window_size_right=window_size_right)
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
                  seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks)
     _check_tensor_devices(session.device if isinstance(session, Session) else device, **given, out=out)
-    p = from_arrays(q, k_cache, v_cache, block_table, seqlen_k, seqstart_q=seqstart_q, kv_offset=kv_offset,
-                    v_layout=v_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits,
-                    kv_rows_finite=kv_rows_finite, scale=scale, mask_type=mask_type,
-                    window_size_left=window_size_left, window_size_right=window_size_right, sink_size=sink_size,
-                    alibi_slopes=alibi_slopes, bias=bias, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, p_scale=p_scale, out_scale=out_scale)
+    settings = dict(v_layout=v_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits, kv_rows_finite=kv_rows_finite,
+                    sink_size=sink_size, logits_soft_cap=logits_soft_cap, q_scale=q_scale, k_scale=k_scale,
+                    v_scale=v_scale, p_scale=p_scale, out_scale=out_scale, **terms)
+    if any(_is_torch(a) and a.requires_grad for a in (*given.values(), out)):  # only then: it imports torch._dynamo
+        _torch_ops().check_no_grad(dict(given, out=out))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if out is not None:
-        # Rows are written chunk by chunk while later chunks still read the
-        # inputs: an out sharing their memory corrupts the result.
-        clash = overlapping(out, given) if hasattr(out, "shape") else None
-        if clash:
-            raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
+    # Rows are written chunk by chunk while later chunks still read the
+    # inputs: an out sharing their memory corrupts the result.
+    clash = overlapping(out, given) if out is not None and hasattr(out, "shape") else None
+    if clash:
+        raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
     attn = PagedAttention(resolve_session(session, device))
-    attn._plan = _Plan(p, attn.session)
+    # A call equal to a recent one (a model's next layer) reuses its plan (plan_cache).
+    attn._plan = attn.session.plans.get(call_key(dict(given, **settings)), lambda: _Plan(from_arrays(
+        **given, **settings), attn.session, keep_binds=False))
     return attn.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
 
 
-def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **kwargs):
+def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, cache_batch_idx=None, **kwargs):
     """Attention over a non-paged KV cache (ck_tile's non-paged kvcache mode).
 
     Args:
       k_cache: [batch_cache, max_seqlen_k, nhead_k, hdim_q]; v_cache likewise
         with hdim_v. Sequence b reads cache row cache_batch_idx[b] (default b).
-      seqlen_k: [batch] int32 <= max_seqlen_k.
+      seqlen_k: [batch] int32 <= max_seqlen_k, or one int for every sequence
+        (default max_seqlen_k); cache_seqlens is flash-attn's name for it.
       cache_batch_idx: optional [batch] int32 in [0, batch_cache).
       Everything else as fmha_fwd_paged (batch or group mode, masks, ALiBi,
       bias, soft-cap, sinks, LSE, out, session).
@@ -197,6 +217,10 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, *, cache_batch_idx=None, **k
     32, 16 and 1 rows that divides max_seqlen_k (and that the session has
     kernels for), and run by the paged kernels.
     """
+    seqlen_k = kvcache_seqlens(q, k_cache, seqlen_k, cache_seqlens, kwargs.get("seqstart_q"))
+    if _compiling():
+        return _torch_ops().call_op("kvcache", q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k,
+                                    cache_batch_idx=cache_batch_idx, **kwargs)
     if kwargs.get("v_layout", "row") != "row":
         raise ValueError("v_layout='col' is supported for paged caches only (fmha_fwd_paged)")
     if kwargs.get("session") is None:
@@ -213,3 +237,14 @@ def fmha_fwd_paged_async(*args, session: Session | None = None, device: str = "c
     if session is None:
         session = default_session(device)
     return session.submit(fmha_fwd_paged, *args, session=session, device=device, **kwargs)
+
+
+def _compiling() -> bool:
+    """Whether torch.compile traces the call (a caller without torch never is)."""
+    return "torch" in sys.modules and sys.modules["torch"].compiler.is_compiling()
+
+
+def _torch_ops():
+    from . import torch_ops  # imports torch and registers the ops: only once torch tensors are seen
+
+    return torch_ops

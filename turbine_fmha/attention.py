@@ -21,12 +21,12 @@ from .arrays import (
     _Results,
     _TensorInfo,
     _to_numpy,
-    _torch_np_dtype,
     _TorchDeviceCache,
     kernel_host_array,
-    overlapping,
+    ops_for,
 )
-from .checks import check_int
+from .checks import check_int, check_out
+from .flash_attn import conventions
 from .modes import active_sequences, bias_rows, gappy_table, regroup
 from .plan import (
     KernelCall,
@@ -43,6 +43,8 @@ from .runtime import Session, default_session
 from .variants import bias_shape_of
 
 DEVICES = ("cpu", "cuda", "hip")
+# torch GPU caches a plan keeps bound (two per layer of a large model).
+MAX_BINDS = 512
 
 
 def resolve_session(session, device: str) -> Session:
@@ -89,7 +91,13 @@ class PagedAttention:
 
     def plan(self, block_table, seqlen_k, *, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None,
              dtype="f16", kv_dtype=None, v_layout="row", seqlen_q=1, seqstart_q=None, kv_offset=None,
-             min_seqlen_q=0, num_splits=None, kv_rows_finite=None, **score_terms) -> "PagedAttention":
+             min_seqlen_q=0, num_splits=None, kv_rows_finite=None, causal=False, softmax_scale=None,
+             window_size=None, **score_terms) -> "PagedAttention":
+        score_terms.update(conventions(  # flash-attn's spellings (flash_attn.py)
+            scale=score_terms.pop("scale", None), softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, mask_type=score_terms.pop("mask_type", "none"),
+            window_size_left=score_terms.pop("window_size_left", -1),
+            window_size_right=score_terms.pop("window_size_right", -1)))
         _check_tensor_devices(self.session.device, block_table=block_table, seqlen_k=seqlen_k,
                               seqstart_q=seqstart_q, kv_offset=kv_offset,
                               **{k: v for k, v in score_terms.items() if k in ("alibi_slopes", "bias", "sinks")})
@@ -117,14 +125,18 @@ class PagedAttention:
 class _Plan:
     """Everything about a call that does not depend on q or the caches."""
 
-    def __init__(self, p: Problem, session: Session):
+    def __init__(self, p: Problem, session: Session, keep_binds: bool = True):
         self.p, self.session = p, session
+        # Shared plans (plan_cache) keep no caches: they outlive the call.
+        self._max_binds = MAX_BINDS if keep_binds else 0
         t, lay, s = p.tables, p.layout, p.scores
         self.active = active_sequences(t, p.min_seqlen_q)
         self.rows = int(t.seqlens_q[self.active].max()) if self.active.size else 0
         self._variants: dict[bool, object] = {}
         self._steps: dict[object, list] = {}
         self._index: dict[object, tuple] = {}
+        self._stale_index: dict[str, list] = {}
+        self._binds: dict[tuple, tuple] = {}
         if self.rows == 0:
             return
         bt, shift = gappy_table(t, self.active, lay.page_block_size)
@@ -173,8 +185,9 @@ class _Plan:
         steps = self._steps.get(key)
         if steps is None:
             steps = kernel_steps(variant, self.call)
+            uploaded = iter(results.upload([a for st in steps for a in st.args]))
             for st in steps:
-                st.args = [results.upload(np.ascontiguousarray(a)) for a in st.args]
+                st.args = [next(uploaded) for _ in st.args]
             self._steps[key] = steps
         return steps
 
@@ -187,15 +200,22 @@ class _Plan:
             return self.p.kv_rows_finite
         if self.stale is None:
             return False
-        if isinstance(v_cache, _TorchDeviceCache):
-            return all(rows_finite(v_cache.tensor, pages, sel) for pages, sel in self.stale)
-        if isinstance(v_cache, _DeviceCache):
+        if isinstance(v_cache, _DeviceCache) and not isinstance(v_cache, _TorchDeviceCache):
             return False  # IREE device arrays are not looked at
-        return all(rows_finite(v_cache, pages, sel) for pages, sel in self.stale)
+        cache = v_cache.tensor if isinstance(v_cache, _TorchDeviceCache) else v_cache
+        key = str(getattr(cache, "device", "host"))
+        index = self._stale_index.get(key)
+        if index is None:  # uploaded once per plan and device
+            index = self._stale_index[key] = [ops_for(cache).like(i, cache) for i in self.stale]
+        return rows_finite(cache, index)
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
         session = self.session
         _check_tensor_devices(session.device, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+        if any(_is_torch(a) and a.requires_grad for a in (q, k_cache, v_cache, out)):
+            from .torch_ops import check_no_grad  # imports torch._dynamo: only when needed
+
+            check_no_grad(dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out))
         like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -230,26 +250,42 @@ class _Plan:
                              f"got {list(info.shape)} {info.dtype}")
         caches = []
         for name, a, shape in (("k_cache", k_cache, lay.k_shape), ("v_cache", v_cache, lay.v_shape)):
-            c = _cache_array(a, name)
-            if tuple(c.shape) != shape or c.dtype != lay.cache_dtype:
-                raise ValueError(f"{name} must have shape {list(shape)} and dtype {lay.cache_dtype} (as planned), "
-                                 f"got {list(c.shape)} {c.dtype}")
+            c = self._bound_cache(name, a)
+            if c is None:
+                c = _cache_array(a, name)
+                if tuple(c.shape) != shape or c.dtype != lay.cache_dtype:
+                    raise ValueError(f"{name} must have shape {list(shape)} and dtype {lay.cache_dtype} "
+                                     f"(as planned), got {list(c.shape)} {c.dtype}")
             caches.append(c)
         if isinstance(caches[0], _DeviceCache) != isinstance(caches[1], _DeviceCache):
             raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
         torch_results = (_is_torch(q) and not lay.static_quant and (out is None or _is_torch(out))
                          and str(q.device) == session.torch_device)
         if out is not None:
-            _check_out(out, q, torch_results, (info.shape[:-1] + (lay.hdim_v,)), lay.q_dtype,
+            check_out(out, q, torch_results, (info.shape[:-1] + (lay.hdim_v,)), lay.q_dtype,
                        dict(q=q, k_cache=k_cache, v_cache=v_cache), session)
         return q, *self._bind_caches(caches), torch_results
+
+    def _bound_cache(self, name: str, a):
+        """The torch GPU cache `a` as checked and imported by an earlier run
+        of this plan, if its memory and layout are unchanged: a serving step
+        runs each layer's caches, and a bind costs ~15 us (an import)."""
+        if not (_is_torch(a) and a.is_cuda):
+            return None
+        hit = self._binds.get((name, id(a)))
+        if hit is not None and hit[0] is a and hit[1] == _fingerprint(a):
+            return hit[2]
+        return None
 
     def _bind_caches(self, caches):
         """torch GPU caches imported for this run; IREE device arrays must
         be the session's."""
         for name, c in zip(("k_cache", "v_cache"), caches):
-            if isinstance(c, _TorchDeviceCache):  # its device was checked on entry
+            if isinstance(c, _TorchDeviceCache) and c.array is None:  # its device was checked on entry
                 c.bind(self.session)
+                if len(self._binds) < self._max_binds:
+                    t = c.source
+                    self._binds[(name, id(t))] = (t, _fingerprint(t), c)
             elif isinstance(c, _DeviceCache) and c.array._device is not self.session.device_of():
                 raise ValueError(f"{name} is a DeviceArray of another device than the session's "
                                  f"({self.session.device})")
@@ -269,13 +305,11 @@ class _Plan:
         return results.run(variant, st.q(qb), kc, vc, *st.args, stats=stats)
 
     def _allocate(self, q, out, results):
-        lay, t = self.p.layout, self.p.tables
+        lay = self.p.layout
+        out_shape, lse_shape = lay.result_shapes(tuple(q.shape), self.p.tables.group)
         if out is None:
-            out = results.empty(tuple(q.shape[:-1]) + (lay.hdim_v,), lay.q_dtype,
-                                fill=0 if self.p.min_seqlen_q else None)
-        lse = results.empty((t.batch, lay.nhead_q, t.seqlen_q) if not t.group
-                            else (lay.nhead_q, t.total_q), np.float32, fill=-np.inf)
-        return out, lse
+            out = results.empty(out_shape, lay.q_dtype, fill=0 if self.p.min_seqlen_q else None)
+        return out, results.empty(lse_shape, np.float32, fill=-np.inf)
 
     def _compute(self, variant, steps, q, k_cache, v_cache, results, out, lse):
         lay, t = self.p.layout, self.p.tables
@@ -324,6 +358,11 @@ class _Plan:
         return qb
 
 
+def _fingerprint(t) -> tuple:
+    """What a bound torch cache depends on: its memory and layout."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
 def _kernel_cache(c, lay, session):
     """A cache as a kernel argument: device arrays as they are; host caches
     read in place on CPU sessions (a strided view is copied once, aligned;
@@ -335,27 +374,3 @@ def _kernel_cache(c, lay, session):
         a = a.view(np.int8)
     imported = session.import_host(a)
     return a if imported is None else imported
-
-
-def _check_out(out, q, torch_results, out_shape, dtype, inputs, session):
-    if _is_torch(out):
-        if not _is_torch(q) or out.device != q.device:
-            raise TypeError("a torch out needs q to be a torch tensor on the same device")
-        if tuple(out.shape) != tuple(out_shape) or _torch_np_dtype(out.dtype) != dtype:
-            raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, "
-                             f"got {list(out.shape)} {_torch_np_dtype(out.dtype)}")
-        if not out.is_contiguous():
-            raise ValueError("out must be a contiguous tensor")
-        if not torch_results:
-            raise ValueError(f"a torch out needs q on the session's device ({session.torch_device}) and not fp8")
-    elif not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
-    elif out.shape != tuple(out_shape) or out.dtype != dtype:
-        raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, got {list(out.shape)} {out.dtype}")
-    elif not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out must be a writeable C-contiguous array")
-    clash = overlapping(out, inputs)
-    if clash:
-        raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
-
-

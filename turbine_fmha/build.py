@@ -54,6 +54,35 @@ from .variants import (
 )
 
 LOCK = ".lock"
+# What compiling needs beyond the runtime: the `build` extra of pyproject.toml.
+BUILD_EXTRA = "pip install 'turbine-fmha[build]'"
+BUILD_MODULES = ("iree.compiler", "iree.turbine", "torch", "jinja2")
+
+
+def missing_build_modules() -> list[str]:
+    """The BUILD_MODULES that cannot be imported here (found, not imported:
+    importing torch takes seconds)."""
+    import importlib.util
+
+    missing = []
+    for name in BUILD_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def require_build_extra(what: str = "building artifacts") -> None:
+    """Raises ModuleNotFoundError saying which extra to install when a
+    module that compiling needs is missing: otherwise the first failed
+    import deep inside the build would be all the caller sees."""
+    missing = missing_build_modules()
+    if missing:
+        raise ModuleNotFoundError(f"{what} needs the build extra ({', '.join(missing)} not installed): "
+                                  f"{BUILD_EXTRA}", name=missing[0])
 
 
 def default_variants(target: Target) -> list[Variant | AppendKernel]:
@@ -199,6 +228,7 @@ def build(
     compiles are terminated, the pending ones dropped, and the exception
     re-raised once the workers have stopped.
     """
+    require_build_extra()
     # Absolute: iree-compile runs in a temporary directory (reproducible
     # builds), so a relative output path would point there.
     builder = _Builder(Path(out).absolute(), force)

@@ -5,18 +5,21 @@ shares every page of the parent, reference counted, and copies the shared
 last page only when it writes into it), and are freed. `batch` turns a list
 of sequences into the block table and seqlen_k that `fmha_fwd_paged` takes.
 
-The pool is zero-initialized, and the cache tracks which pages hold a
-non-finite V row, as stored (after the cast to the pool's dtype) and for as
-long as the page holds it, freed pages included: while none does, the GPU
-kernels without the stale-row guard can serve it (fmha_fwd_paged's
-kv_rows_finite).
+Appended rows must have the pool's dtype (numpy arrays or torch tensors):
+values are never converted, so what is stored is exactly what was given.
+The pool is zero-initialized, and the cache tracks which rows hold a
+non-finite V value, for as long as they hold it, rows of freed pages
+included: while none does, the GPU kernels without the stale-row guard can
+serve it (fmha_fwd_paged's kv_rows_finite).
 
-With a `session`, the pool also lives on that session's device (IREE device
+With a `session`, the pool lives on that session's device (IREE device
 arrays `k_dev`/`v_dev`): appends write only the new rows there, through an
-AOT-compiled in-place append kernel (variants.AppendKernel), and `attend`
-runs attention on the device pool without copying it. The host arrays `k`/`v`
-stay as a write-through mirror; copy-on-write reads the shared rows from
-it. The class is thread-safe: every method holds one lock.
+AOT-compiled in-place append kernel (variants.AppendKernel, the kernel of
+kv_write.reshape_and_cache), and `attend` runs attention on the device
+pool without copying it. The host arrays `k`/`v` are a write-through mirror
+(`host_mirror`, on by default): copy-on-write reads the shared rows from
+it. Without it (host_mirror=False) a device pool takes no host memory, and
+`fork` is refused. The class is thread-safe: every method holds one lock.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import threading
 
 import numpy as np
 
-from .arrays import _DeviceCache, _dtype_name, _fp8_name, aligned_empty, np_dtype
+from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
+                     ops_for)
+from .kv_write import check_rows, rows_info, run_append
 
 
 class CacheFullError(RuntimeError):
@@ -37,27 +42,33 @@ class PagedKVCache:
 
     k: [num_pages, page_block_size, nhead_k, hdim], v likewise with hdim_v;
     dtype a numpy dtype (or "f16", "bf16", "f32"). Sequence ids are ints
-    handed out by `allocate` and `fork`.
+    handed out by `allocate` and `fork`. host_mirror=False (with a session)
+    keeps no host copy of the device pool: `k`/`v` are then None.
     """
 
     def __init__(self, num_pages: int, page_block_size: int, nhead_k: int, hdim: int, dtype="f16", *,
-                 hdim_v: int | None = None, session=None):
+                 hdim_v: int | None = None, session=None, host_mirror: bool = True):
         for name, val in (("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_k", nhead_k), ("hdim", hdim)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not isinstance(host_mirror, bool):
+            raise TypeError(f"host_mirror must be a bool, got {type(host_mirror).__name__}")
         dt = _dtype(dtype)
+        self.dtype = dt
         self.page_block_size = int(page_block_size)
+        self._shapes = tuple((num_pages, page_block_size, nhead_k, d) for d in (hdim, hdim_v or hdim))
+        mirror = session is None or host_mirror
         # 64-byte aligned: CPU sessions then read the pool in place
         # (Session.import_host) instead of copying it on every call.
-        self.k = aligned_zeros((num_pages, page_block_size, nhead_k, hdim), dt)
-        self.v = aligned_zeros((num_pages, page_block_size, nhead_k, hdim_v or hdim), dt)
+        self.k = aligned_zeros(self._shapes[0], dt) if mirror else None
+        self.v = aligned_zeros(self._shapes[1], dt) if mirror else None
         self._refs = np.zeros(num_pages, np.int32)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() gives the lowest id
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
         self._next_id = 0
         self._lock = threading.Lock()
-        self._v_bad = np.zeros(num_pages, bool)  # pages holding a non-finite V row
+        self._v_bad = np.zeros((num_pages, page_block_size), bool)  # rows holding a non-finite V value
         self.session = session
         self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
@@ -74,8 +85,8 @@ class PagedKVCache:
             self._append_fn = session.append_function(
                 AppendKernel(name, nhead_k, hdim, hdim_v or hdim, page_block_size))
             device = session.device_of()
-            self.k_dev = rt.asdevicearray(device, self._raw(self.k))
-            self.v_dev = rt.asdevicearray(device, self._raw(self.v))
+            zeros = (self.k, self.v) if mirror else (np.zeros(s, dt) for s in self._shapes)
+            self.k_dev, self.v_dev = (rt.asdevicearray(device, self._raw(z)) for z in zeros)
 
     # -- sequences -----------------------------------------------------------
 
@@ -93,7 +104,11 @@ class PagedKVCache:
             return sid
 
     def fork(self, seq: int) -> int:
-        """A new sequence with `seq`'s tokens, sharing its pages."""
+        """A new sequence with `seq`'s tokens, sharing its pages. Needs the
+        host mirror (copy-on-write reads a shared page's rows from it)."""
+        if self.k is None:
+            raise ValueError("fork needs the host mirror, which copy-on-write reads shared rows from: "
+                             "create the cache with host_mirror=True")
         with self._lock:
             pages = self._get(seq)
             sid = self._next_id
@@ -123,16 +138,19 @@ class PagedKVCache:
             return list(self._get(seq))
 
     def append(self, seq: int, k_new, v_new) -> None:
-        """Writes tokens' K [n, nhead_k, hdim] and V [n, nhead_k, hdim_v] at
-        the end of `seq`. Raises CacheFullError when the free pages do not
-        suffice (a shared last page counts one extra: it is copied before it
-        is written). Any error leaves the cache exactly as it was: the
-        arguments are checked and converted before anything changes, and
+        """Writes tokens' K [n, nhead_k, hdim] and V [n, nhead_k, hdim_v],
+        of the pool's dtype (numpy, or torch in host memory or on the
+        session's GPU), at the end of `seq`. Raises CacheFullError when the
+        free pages do not suffice (a shared last page counts one extra: it
+        is copied before it is written). Any error leaves the cache exactly
+        as it was: the arguments are checked before anything changes, and
         the bookkeeping is committed only after the device write."""
-        k_new = self._rows_arg(k_new, "k_new", self.k)
-        v_new = self._rows_arg(v_new, "v_new", self.v)
+        self._rows_arg(k_new, "k_new", self._shapes[0])
+        self._rows_arg(v_new, "v_new", self._shapes[1])
         if v_new.shape[0] != k_new.shape[0]:
             raise ValueError(f"v_new has {v_new.shape[0]} rows but k_new has {k_new.shape[0]}")
+        if self.k is not None:  # the host pool or mirror is written from host memory
+            k_new, v_new = _to_numpy(k_new, "k_new"), _to_numpy(v_new, "v_new")
         n = k_new.shape[0]
         page = self.page_block_size
         with self._lock:
@@ -157,26 +175,25 @@ class PagedKVCache:
             if cow:  # the shared page's rows, then the new ones
                 k_rows = np.concatenate([self.k[shared, :fill], k_new])
                 v_rows = np.concatenate([self.v[shared, :fill], v_new])
+            bad = _nonfinite_rows(v_rows)
             if self.k_dev is not None and pos.size:
                 slots = np.stack([rows_p, pos % page], axis=1).astype(np.int32)
-                self._append_fn(self._raw(np.ascontiguousarray(k_rows)), self._raw(np.ascontiguousarray(v_rows)),
-                                slots, self.k_dev, self.v_dev)
+                run_append(self.session, self._append_fn, k_rows, v_rows, slots, self.k_dev, self.v_dev)
             # Commit: nothing below can fail.
-            self.k[rows_p, pos % page] = k_rows
-            self.v[rows_p, pos % page] = v_rows
+            if self.k is not None:
+                self.k[rows_p, pos % page] = k_rows
+                self.v[rows_p, pos % page] = v_rows
             del self._free[len(self._free) - need:]
             if cow:
                 self._refs[shared] -= 1
             self._refs[taken] = 1
             self._pages[seq] = pages
             self._lens[seq] = length + n
-            # What the pool holds decides whether kernels without the
-            # stale-row guard may read it (only V rows matter:
-            # plan.stale_rows_finite): a value that became Inf when stored
-            # in the pool's dtype counts, and so does whatever a freed page
-            # still holds when another sequence reuses it.
-            for p in np.unique(rows_p):
-                self._v_bad[p] = not np.isfinite(self.v[p].astype(np.float32)).all()
+            # Whether kernels without the stale-row guard may read the pool
+            # depends on every V row it holds (plan.stale_rows_finite),
+            # rows of freed pages included: a row keeps its mark until it
+            # is overwritten.
+            self._v_bad[rows_p, pos % page] = bad
 
     @property
     def values_finite(self) -> bool:
@@ -185,14 +202,12 @@ class PagedKVCache:
         included."""
         return not self._v_bad.any()
 
-    def _rows_arg(self, x, name: str, pool: np.ndarray) -> np.ndarray:
-        a = np.asarray(x)
-        if a.ndim != 3 or a.shape[1:] != pool.shape[2:]:
-            raise ValueError(f"{name} must have shape [n, {pool.shape[2]}, {pool.shape[3]}], got {a.shape}")
-        real = np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
-        if not (real or a.dtype == pool.dtype or a.dtype.name == "bfloat16" or "float8" in a.dtype.name):
-            raise TypeError(f"{name} must be a real-valued (float or int) array, got {a.dtype}")
-        return a.astype(pool.dtype, copy=False)
+    def _rows_arg(self, x, name: str, pool_shape: tuple) -> None:
+        _check_tensor_devices(self.session.device if self.session is not None else "cpu", **{name: x})
+        info = rows_info(x, name)
+        if info.ndim != 3 or tuple(info.shape[1:]) != pool_shape[2:]:
+            raise ValueError(f"{name} must have shape [n, {pool_shape[2]}, {pool_shape[3]}], got {list(info.shape)}")
+        check_rows(info, name, info.shape, self.dtype)
 
     # -- batches -------------------------------------------------------------
 
@@ -220,7 +235,7 @@ class PagedKVCache:
         if self.k_dev is not None:
             # The device arrays with the pool's own dtype (fp8 pools are
             # int8 there).
-            k, v = _DeviceCache(self.k_dev, self.k.dtype), _DeviceCache(self.v_dev, self.v.dtype)
+            k, v = _DeviceCache(self.k_dev, self.dtype), _DeviceCache(self.v_dev, self.dtype)
         else:
             k, v = self.k, self.v
         kwargs.setdefault("kv_rows_finite", self.values_finite)
@@ -231,19 +246,30 @@ class PagedKVCache:
 
     def gather(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's K and V as contiguous [seqlen, nhead_k, hdim]
-        copies (for checking and debugging)."""
+        copies (for checking and debugging; without a host mirror, the
+        whole device pool is read back)."""
         with self._lock:
             pages = np.asarray(self._get(seq), np.int64)
             n = self._lens[seq]
+            k, v = (self.k, self.v) if self.k is not None else \
+                (a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
         pos = np.arange(n)
-        return self.k[pages[pos // self.page_block_size], pos % self.page_block_size], \
-            self.v[pages[pos // self.page_block_size], pos % self.page_block_size]
+        rows = pages[pos // self.page_block_size], pos % self.page_block_size
+        return k[rows], v[rows]
 
     def _get(self, seq: int) -> list[int]:
         try:
             return self._pages[seq]
         except KeyError:
             raise KeyError(f"no sequence {seq!r} in this cache") from None
+
+
+def _nonfinite_rows(v) -> np.ndarray:
+    """Which rows of v [n, heads, dim] (numpy or torch) hold a non-finite
+    value, as a host bool array."""
+    ops = ops_for(v)
+    bad = ops.any(~ops.isfinite(ops.f32(v)), (1, 2))
+    return bad.cpu().numpy() if hasattr(bad, "cpu") else np.asarray(bad)
 
 
 def _dtype(d) -> np.dtype:

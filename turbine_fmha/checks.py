@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from .arrays import _bf16, _to_numpy
+from .arrays import _bf16, _is_torch, _to_numpy, _torch_np_dtype, overlapping
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -55,3 +55,27 @@ def float_array(x, name: str, *, finite: bool = False) -> np.ndarray:
         idx = tuple(int(i) for i in np.argwhere(big)[0])
         raise ValueError(f"{name}{list(idx)} = {wide[idx]:.6g} overflows float32")
     return a.astype(np.float32, copy=False)
+
+
+def check_out(out, q, torch_results, out_shape, dtype, inputs, session):
+    """A caller's `out`: q's kind and device, the result's shape and dtype,
+    contiguous and writeable, and sharing no memory with `inputs`."""
+    if _is_torch(out):
+        if not _is_torch(q) or out.device != q.device:
+            raise TypeError("a torch out needs q to be a torch tensor on the same device")
+        if tuple(out.shape) != tuple(out_shape) or _torch_np_dtype(out.dtype) != dtype:
+            raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, "
+                             f"got {list(out.shape)} {_torch_np_dtype(out.dtype)}")
+        if not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor")
+        if not torch_results:
+            raise ValueError(f"a torch out needs q on the session's device ({session.torch_device}) and not fp8")
+    elif not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
+    elif out.shape != tuple(out_shape) or out.dtype != dtype:
+        raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, got {list(out.shape)} {out.dtype}")
+    elif not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be a writeable C-contiguous array")
+    clash = overlapping(out, inputs)
+    if clash:
+        raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")

@@ -1,226 +1,301 @@
-"""`turbine-fmha` command line: build, list, inspect, run, bench."""
+"""`turbine-fmha` command line: build, list, inspect, run, bench.
+
+Every command takes --artifacts DIR (--out is an alias). The default is
+$TURBINE_FMHA_ARTIFACTS, else $XDG_CACHE_HOME/turbine-fmha/artifacts, else
+~/.cache/turbine-fmha/artifacts, as for Python's Session. Errors are one
+line on stderr with exit code 2; list, inspect, run and bench print JSON
+with --json.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from .paths import ENV_ARTIFACTS, default_artifact_dir
 from .targets import TARGETS
-from .variants import parse_kernel
+
+# Exceptions whose message says all there is to say: no type name needed.
+_PLAIN_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
 
 
-def _cmd_build(args) -> int:
-    from .artifacts import ArtifactError
-    from .build import ProgressBar, build, manifest_digest
+class CliError(Exception):
+    """A command's invalid input or unusable state: printed as one line."""
 
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    for t in targets:
-        if t not in TARGETS:
-            print(f"unknown target {t!r}; known: {', '.join(TARGETS)}", file=sys.stderr)
-            return 2
-    variants = None
-    if args.variants:
-        try:
-            variants = [parse_kernel(n) for n in args.variants.split(",") if n.strip()]
-        except ValueError as e:
-            print(f"--variants: {e}", file=sys.stderr)
-            return 2
-    t0 = time.perf_counter()
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse would print the usage block first; one line is enough
+        # (--help has the rest).
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
     try:
-        results = build(Path(args.out), targets, variants, jobs=args.jobs, progress=ProgressBar(), force=args.force)
-    except (RuntimeError, ArtifactError) as e:
-        print(e, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: the artifacts that finished are in {Path(args.out) / 'manifest.json'}",
-              file=sys.stderr)
-        return 130
-    rebuilt = sum(r.rebuilt for r in results)
-    print(
-        f"{len(results)} artifacts in {args.out} ({rebuilt} compiled, "
-        f"{len(results) - rebuilt} unchanged) in {time.perf_counter() - t0:.1f}s",
-        file=sys.stderr,
-    )
-    # What a service pins (Session(manifest_sha256=...)) to load exactly
-    # these artifacts; stdout, so that scripts can capture it.
-    print(f"manifest sha256 {manifest_digest(Path(args.out))}")
-    return 0
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
 
 
-def _manifest(out: str) -> dict:
-    from .artifacts import ArtifactError, read_manifest
+def int_list(minimum: int):
+    """An argparse type: a comma list of integers >= minimum."""
 
-    try:
-        m = read_manifest(Path(out))
-    except ArtifactError as e:
-        raise SystemExit(str(e)) from None
+    def parse(text: str) -> list[int]:
+        items = [t.strip() for t in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
+        return [_int_at_least(t, minimum) for t in items]
+
+    return parse
+
+
+def artifact_dir(args, may_be_missing: bool = False) -> Path:
+    """The directory --artifacts names, else the default one. It must exist
+    (a mistyped path would otherwise read as an empty directory), except
+    the default one where may_be_missing (nothing built yet)."""
+    given = args.artifacts is not None
+    d = Path(args.artifacts) if given else default_artifact_dir()
+    if d.is_dir() or (may_be_missing and not given):
+        return d
+    what = "--artifacts" if given else f"the default artifact directory (${ENV_ARTIFACTS}, else the user cache)"
+    state = "is not a directory" if d.exists() else "does not exist"
+    raise CliError(f"{what}: {d} {state}; build into it with `turbine-fmha build --artifacts {d}`")
+
+
+def _manifest(args) -> dict:
+    from .artifacts import read_manifest
+
+    d = artifact_dir(args)
+    m = read_manifest(d)
     if m is None:
-        raise SystemExit(f"no manifest at {Path(out) / 'manifest.json'}; run `turbine-fmha build` first")
+        raise CliError(f"no manifest.json in {d}; build into it with `turbine-fmha build --artifacts {d}`")
     return m.data
 
 
+def emit_json(value) -> None:
+    print(json.dumps(value, indent=1))
+
+
 def _cmd_list(args) -> int:
-    m = _manifest(args.out)
-    print(f"compiler {m.get('compiler_version')}")
-    for a in m["artifacts"]:
-        if args.target and a["target"] != args.target:
-            continue
+    m = _manifest(args)
+    hits = [a for a in m["artifacts"] if not args.target or a["target"] == args.target]
+    if args.json:
+        emit_json(hits)
+        return 0
+    print(f"{artifact_dir(args)}: compiler {m.get('compiler_version')}, {len(hits)} artifact{'s' * (len(hits) != 1)}")
+    for a in hits:
         isa = a.get("isa") or {}
         extra = ""
         if "mfma_count" in isa:
             extra = f" mfma={isa['mfma_count']} spills={isa['spills']}"
         elif "mma_count" in isa:
             extra = f" mma.sync={isa['mma_count']}"
-        print(f"{a['target']:<7} {a['variant']:<70} {a['size']:>9} B {a['compile_seconds']:>6.2f}s{extra}")
+        size, secs = a.get("size", 0), a.get("compile_seconds", 0.0)
+        print(f"{a['target']:<7} {a['variant']:<70} {size:>9} B {secs:>6.2f}s{extra}")
     return 0
 
 
 def _cmd_inspect(args) -> int:
-    m = _manifest(args.out)
+    m = _manifest(args)
     hits = [a for a in m["artifacts"] if a["variant"] == args.variant and (not args.target or a["target"] == args.target)]
     if not hits:
-        print(f"no artifact {args.variant} in {args.out}", file=sys.stderr)
-        return 1
+        raise CliError(f"no artifact {args.variant}{' for ' + args.target if args.target else ''} "
+                       f"in {artifact_dir(args)}")
+    if args.json:
+        # One object for one match; several (one per target) as a list.
+        emit_json(hits[0] if len(hits) == 1 else hits)
+        return 0
     for a in hits:
-        print(json.dumps(a, indent=1))
+        print(f"{a['target']}/{a['variant']}")
+        for k, v in a.items():
+            if isinstance(v, dict):
+                v = " ".join(f"{ik}={iv}" for ik, iv in v.items())
+            elif isinstance(v, list):
+                v = " ".join(map(str, v))
+            print(f"  {k:<17} {v}")
     return 0
 
 
-def _random_problem(args, rng):
-    """A paged problem as the arguments describe it: pages shuffled over the
-    pool, unused table slots holding -1."""
-    import numpy as np
+def _cmd_build(args) -> int:
+    from .build import ProgressBar, build, manifest_digest
 
-    from .arrays import np_dtype
-
-    dt = np_dtype(args.dtype)
-    lens = [int(x) for x in args.seqlen_k.split(",")]
-    if len(lens) == 1:
-        lens = lens * args.batch
-    if len(lens) != args.batch:
-        raise SystemExit(f"--seqlen-k: {len(lens)} values for --batch {args.batch}")
-    page = args.page
-    used = [-(-n // page) for n in lens]
-    num_pages = sum(used) + 1
-    k = rng.standard_normal((num_pages, page, args.nhead_k, args.hdim), dtype=np.float32).astype(dt)
-    v = rng.standard_normal((num_pages, page, args.nhead_k, args.hdim), dtype=np.float32).astype(dt)
-    bt = np.full((args.batch, max(used + [1]) + 1), -1, np.int32)
-    perm = rng.permutation(num_pages)
-    i = 0
-    for b, n in enumerate(used):
-        bt[b, :n] = perm[i : i + n]
-        i += n
-    q = rng.standard_normal((args.batch, args.seqlen_q, args.nhead_q, args.hdim), dtype=np.float32).astype(dt)
-    kw = dict(mask_type=args.mask, window_size_right=0 if args.mask != "none" else -1,
-              num_splits=args.num_splits, device=args.device)
-    return (q, k, v, bt, np.array(lens, np.int32)), kw
-
-
-def _session(args):
-    from .runtime import Session
-
-    return Session(args.device, artifact_dir=args.artifacts, compile_missing=args.compile_missing)
-
-
-def _cmd_run(args) -> int:
-    """One call on random data, checked against the float64 reference."""
-    import numpy as np
-
-    from .api import fmha_fwd_paged
-    from .reference import fmha_fwd_paged_ref
-
-    session = _session(args)
-    prob, kw = _random_problem(args, np.random.default_rng(args.seed))
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise CliError(f"--targets: unknown target {', '.join(map(repr, unknown)) or '(none given)'}; "
+                       f"known: {', '.join(TARGETS)}")
+    variants = _model_set(args, targets) if _model_given(args) else _named_variants(args)
+    out = Path(args.artifacts) if args.artifacts else default_artifact_dir()
     t0 = time.perf_counter()
-    out, lse = fmha_fwd_paged(*prob, return_lse=True, session=session, **kw)
-    ms = (time.perf_counter() - t0) * 1e3
-    ref, ref_lse = fmha_fwd_paged_ref(*prob, mask_type=kw["mask_type"], window_size_right=kw["window_size_right"])
-    err = float(np.abs(out.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
-    fin = np.isfinite(ref_lse)
-    lerr = float(np.abs(lse[fin] - ref_lse[fin]).max()) if fin.any() else 0.0
-    tol = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}[args.dtype]
-    ok = err <= tol and lerr <= 3e-2 and np.array_equal(np.isneginf(lse), ~fin)
-    print(f"variant {session.last_variant.name}")
-    print(f"{ms:.2f} ms (first call: includes loading), output rel err {err:.2e} (bound {tol:g}), "
-          f"LSE abs err {lerr:.2e} -> {'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
-
-
-def _cmd_bench(args) -> int:
-    """Median time of repeated calls of the public API on one problem."""
-    import statistics
-
-    import numpy as np
-
-    from .api import fmha_fwd_paged
-
-    session = _session(args)
-    prob, kw = _random_problem(args, np.random.default_rng(args.seed))
-    fmha_fwd_paged(*prob, session=session, **kw)  # load, warm up
-    times = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        fmha_fwd_paged(*prob, session=session, **kw)
-        times.append((time.perf_counter() - t0) * 1e3)
-    med = statistics.median(times)
-    q, k = prob[0], prob[1]
-    kv_bytes = 2 * int(prob[4].sum()) * k.shape[2] * k.shape[3] * k.itemsize
-    print(f"variant {session.last_variant.name}")
-    print(f"median {med:.2f} ms, min {min(times):.2f} ms over {args.repeat} calls "
-          f"(public API on host arrays: validation and copies included); "
-          f"{kv_bytes / (med * 1e-3) / 1e9:.2f} GB/s of KV")
+    try:
+        results = build(out, targets, variants, jobs=args.jobs, progress=ProgressBar(), force=args.force)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the artifacts that finished are in {out / 'manifest.json'}", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        head, _, details = str(e).partition("\n")
+        if not details:
+            raise
+        # Failed compiles: the compiler's messages, then the one-line error.
+        print(details, file=sys.stderr)
+        raise CliError(head.rstrip(":")) from None
+    rebuilt = sum(r.rebuilt for r in results)
+    print(f"{len(results)} artifacts in {out} ({rebuilt} compiled, {len(results) - rebuilt} unchanged) "
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    # What a service pins (Session(manifest_sha256=...)) to load exactly
+    # these artifacts; stdout, so that scripts can capture it.
+    print(f"manifest sha256 {manifest_digest(out)}")
     return 0
 
 
-def _problem_args(sp):
-    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hip"])
-    sp.add_argument("--artifacts", default=None, help="artifact dir (default $TURBINE_FMHA_ARTIFACTS or ./artifacts)")
-    sp.add_argument("--compile-missing", action="store_true", help="compile variants that have no artifact")
-    sp.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
-    sp.add_argument("--batch", type=int, default=4)
-    sp.add_argument("--seqlen-q", type=int, default=1)
-    sp.add_argument("--seqlen-k", default="512", help="one value, or one per sequence (comma list)")
-    sp.add_argument("--nhead-q", type=int, default=32)
-    sp.add_argument("--nhead-k", type=int, default=8)
-    sp.add_argument("--hdim", type=int, default=128)
-    sp.add_argument("--page", type=int, default=16)
-    sp.add_argument("--mask", default="none", choices=["none", "top_left", "bottom_right"])
-    sp.add_argument("--num-splits", type=int, default=None)
-    sp.add_argument("--seed", type=int, default=None)
+def _named_variants(args):
+    from .variants import parse_kernel
+
+    if not args.variants:
+        return None  # each target's default set
+    try:
+        return [parse_kernel(n.strip()) for n in args.variants.split(",") if n.strip()]
+    except ValueError as e:
+        raise CliError(f"--variants: {e}") from None
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="turbine-fmha", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+_MODEL_FLAGS = ("model_config", "nhead_q", "nhead_k", "hdim", "hdim_v", "dtype", "page")
+
+
+def _model_given(args) -> bool:
+    return any(getattr(args, f) is not None for f in _MODEL_FLAGS)
+
+
+def _model_set(args, targets) -> dict:
+    """Target -> the model's variant set (model_set.model_variants)."""
+    from .model_set import model_variants, read_config, shape_from_config
+
+    if args.variants:
+        raise CliError("--variants cannot be combined with --model-config or the model's shape flags")
+    shape = dict(nhead_q=args.nhead_q, nhead_k=args.nhead_k, hdim_q=args.hdim, hdim_v=args.hdim_v,
+                 dtype=args.dtype, pages=args.page)
+    if args.model_config:
+        model = shape_from_config(read_config(args.model_config), source=args.model_config, **shape)
+    else:
+        for flag, name in (("--nhead-q", "nhead_q"), ("--hdim", "hdim_q")):
+            if shape[name] is None:
+                raise CliError(f"{flag} is required without --model-config")
+        # The flags as a config of their own: the same defaults (MHA, hdim_v = hdim, page 16).
+        model = shape_from_config({}, source="flags", **dict(shape, dtype=args.dtype or "f16"))
+    sets = {t: model_variants(model, t) for t in targets}
+    print(f"model set: {model.nhead_q}/{model.nhead_k} heads, head dims {model.hdim_q}/{model.hdim_v}, "
+          f"{model.dtype}, pages {','.join(map(str, model.pages))}: "
+          + ", ".join(f"{len(v)} kernels for {t}" for t, v in sets.items()), file=sys.stderr)
+    return sets
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    import turbine_fmha
+
+    # The package's __version__ is the distribution's metadata version;
+    # read the metadata directly where the package does not define it.
+    version = getattr(turbine_fmha, "__version__", None)
+    if version:
+        return version
+    try:
+        return importlib.metadata.version("turbine-fmha")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path (scripts/build_artifacts.py)
+        return "0+unknown"
+
+
+def _artifacts_option(sp, note: str = "") -> None:
+    sp.add_argument("--artifacts", "--out", dest="artifacts", default=None, metavar="DIR",
+                    help=f"artifact directory (default: ${ENV_ARTIFACTS}, else {default_artifact_dir()}){note}")
+
+
+def _build_parser(sub) -> None:
     b = sub.add_parser("build", help="compile variants ahead of time")
     b.add_argument("--targets", default="host", help=f"comma list of: {', '.join(TARGETS)}")
-    b.add_argument("--out", default="artifacts")
+    _artifacts_option(b, "; created if missing")
     b.add_argument("--variants", default="", help="comma list of variant names (default: each target's default set)")
-    b.add_argument("--jobs", type=int, default=None)
+    b.add_argument("--jobs", type=positive_int, default=None)
     b.add_argument("--force", action="store_true", help="rebuild even when unchanged")
+    m = b.add_argument_group("a model's variant set", "every variant a model's calls select (decode and prefill "
+                             "tiles, masks, split-KV) and its cache's append kernels; flags win over the config")
+    m.add_argument("--model-config", default=None, metavar="JSON",
+                   help="HF-style config.json: num_attention_heads, num_key_value_heads, head_dim or "
+                        "hidden_size, torch_dtype")
+    m.add_argument("--nhead-q", type=positive_int, default=None)
+    m.add_argument("--nhead-k", type=positive_int, default=None, help="default: --nhead-q (MHA)")
+    m.add_argument("--hdim", type=positive_int, default=None)
+    m.add_argument("--hdim-v", type=positive_int, default=None, help="default: --hdim")
+    m.add_argument("--dtype", default=None, choices=["f16", "bf16", "f32"], help="default: the config's, else f16")
+    m.add_argument("--page", type=int_list(1), default=None, help="comma list of page sizes (default 16)")
     b.set_defaults(fn=_cmd_build)
+
+
+def parser() -> argparse.ArgumentParser:
+    from .cli_run import add_problem_commands
+
+    p = _Parser(prog="turbine-fmha", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"turbine-fmha {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _build_parser(sub)
     ls = sub.add_parser("list", help="artifacts in a manifest")
-    ls.add_argument("--out", default="artifacts")
+    _artifacts_option(ls)
     ls.add_argument("--target", default=None)
+    ls.add_argument("--json", action="store_true", help="a JSON list of the manifest entries")
     ls.set_defaults(fn=_cmd_list)
     ins = sub.add_parser("inspect", help="one artifact: flags, size, hash, ISA report")
     ins.add_argument("variant")
-    ins.add_argument("--out", default="artifacts")
+    _artifacts_option(ins)
     ins.add_argument("--target", default=None)
+    ins.add_argument("--json", action="store_true", help="the manifest entry (a list when several targets match)")
     ins.set_defaults(fn=_cmd_inspect)
-    r = sub.add_parser("run", help="one call on random data, verified against the float64 reference")
-    _problem_args(r)
-    r.set_defaults(fn=_cmd_run)
-    be = sub.add_parser("bench", help="median time of the public API on one random problem")
-    _problem_args(be)
-    be.add_argument("--repeat", type=int, default=10)
-    be.set_defaults(fn=_cmd_bench)
+    add_problem_commands(sub, _artifacts_option)
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()  # a broken pipe shows here, not in Python's flush at exit
+        return rc
+    except BrokenPipeError:
+        # The reader left (`turbine-fmha list | head`): the rest of the
+        # output has nowhere to go, and Python's flush at exit would report
+        # the same broken pipe again.
+        _detach_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error is one line, never a traceback
+        kind = "" if isinstance(e, (CliError, *_PLAIN_ERRORS)) else f"{type(e).__name__}: "
+        print(f"{p.prog} {args.cmd}: error: {kind}{' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _detach_stdout() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (captured in tests)
+        pass
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m turbine_fmha.cli`: the package's own module, whose CliError
+    # cli_run raises, not a second copy named __main__.
+    from turbine_fmha.cli import main as _main
+
+    sys.exit(_main())

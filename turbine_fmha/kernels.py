@@ -191,30 +191,50 @@ class PagedKVFwdOnline(_PagedKVFwd):
     signature = sig.custom_op_signature(sig.FWD, "turbine_fmha_pagedkv_fwd_online")
 
 
-def _append_of(tensors: list) -> AppendKernel:
-    sym = _bind(sig.APPEND, tensors)
+def _append_of(kernel: sig.Kernel, tensors: list, attrs: dict) -> AppendKernel:
+    """The AppendKernel a call of `kernel` (APPEND or APPEND_ROTARY) with
+    these arguments runs; every tensor must have its declared dtype."""
+    sym = _bind(kernel, tensors)
     dt = tensors[3].dtype
     torch._check(dt in _DTYPE_NAME, lambda: f"unsupported dtype {dt}")
-    torch._check(all(t.dtype == dt for t in tensors[:2] + tensors[4:]), lambda: "dtype mismatch")
-    return AppendKernel(_DTYPE_NAME[dt], sym["HK"], sym["D"], sym["DV"], sym["PG"])
+    a = AppendKernel(_DTYPE_NAME[dt], sym["HK"], sym["D"], sym["DV"], sym["PG"], attrs.get("rotary", "none"))
+    types = sig.append_types(a)
+    for arg, t in zip(kernel.args, tensors):
+        want = _TORCH_DTYPE[types.dtypes[arg.dtype]]
+        torch._check(t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
+    return a
 
 
-class PagedKVAppend(CustomOp):
+class _PagedKVAppendOp(CustomOp):
+    kernel: sig.Kernel
+
+    def select(self, ksel: KernelSelection):
+        _declare_args(self.kernel, ksel)
+        a = _append_of(self.kernel, *_ksel_values(self.kernel, ksel))
+        _select(self.kernel, ksel, sig.append_types(a))
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        a = _append_of(self.kernel, *_ksel_values(self.kernel, ksel))
+        types = sig.append_types(a)
+        _generate(kb, "pagedkv_append", f"{a.name}_impl", len(self.kernel.args),
+                  sig=sig.mlir_header(self.kernel, list(self.kernel.args), types), dt=a.dtype,
+                  ROTARY="" if a.rotary == "none" else a.rotary)
+
+
+class PagedKVAppend(_PagedKVAppendOp):
     """Scatters new tokens' K/V into their pages, returning the updated
     caches."""
 
+    kernel = sig.APPEND
     signature = sig.custom_op_signature(sig.APPEND, "turbine_fmha_pagedkv_append")
 
-    def select(self, ksel: KernelSelection):
-        _declare_args(sig.APPEND, ksel)
-        a = _append_of(_ksel_values(sig.APPEND, ksel)[0])
-        _select(sig.APPEND, ksel, sig.append_types(a))
 
-    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
-        a = _append_of(_ksel_values(sig.APPEND, ksel)[0])
-        types = sig.append_types(a)
-        _generate(kb, "pagedkv_append", f"{a.name}_impl", len(sig.APPEND.args),
-                  sig=sig.mlir_header(sig.APPEND, list(sig.APPEND.args), types), dt=a.dtype)
+class PagedKVAppendRotary(_PagedKVAppendOp):
+    """The append that rotates the new K rows first, and returns q rotated
+    too (ck_tile appendkv with RoPE)."""
+
+    kernel = sig.APPEND_ROTARY
+    signature = sig.custom_op_signature(sig.APPEND_ROTARY, "turbine_fmha_pagedkv_append_rotary")
 
 
 def _registered(cls) -> CustomOp:
@@ -252,25 +272,31 @@ def _module(op: CustomOp, args: list, name: str, finish=None) -> str:
     return kb.module_op.get_asm()
 
 
-def _caches_are_outputs(kb: KernelBuilder) -> None:
-    """Marks the two cache arguments as the outputs too (iree.abi.output):
-    IREE writes the results into the caller's cache buffers."""
-    from iree.compiler.ir import ArrayAttr, DictAttr, IndexType, IntegerAttr
+def _caches_are_outputs(kernel: sig.Kernel):
+    """A `_module` finish that marks the two cache arguments of `kernel` as
+    its first two outputs too (iree.abi.output): IREE writes the results
+    into the caller's cache buffers."""
 
-    func = next(o for o in kb.module_op.body.operations if o.operation.name == "func.func")
-    names = [a.name for a in sig.APPEND.args]
-    attrs = [DictAttr.get({}) for _ in names]
-    for result, arg in enumerate(("k_cache", "v_cache")):
-        attrs[names.index(arg)] = DictAttr.get({"iree.abi.output": IntegerAttr.get(IndexType.get(), result)})
-    func.operation.attributes["arg_attrs"] = ArrayAttr.get(attrs)
+    def finish(kb: KernelBuilder) -> None:
+        from iree.compiler.ir import ArrayAttr, DictAttr, IndexType, IntegerAttr
+
+        func = next(o for o in kb.module_op.body.operations if o.operation.name == "func.func")
+        names = [a.name for a in kernel.args]
+        attrs = [DictAttr.get({}) for _ in names]
+        for result, arg in enumerate(("k_cache", "v_cache")):
+            attrs[names.index(arg)] = DictAttr.get({"iree.abi.output": IntegerAttr.get(IndexType.get(), result)})
+        func.operation.attributes["arg_attrs"] = ArrayAttr.get(attrs)
+
+    return finish
 
 
 def render_append(a: AppendKernel) -> str:
     """MLIR module text for `a`, with public entry point `a.name` whose two
     cache arguments are also its outputs."""
-    types = sig.append_types(a)
-    return _module(_registered(PagedKVAppend), [_meta(t, types) for t in sig.APPEND.args], a.name,
-                   _caches_are_outputs)
+    kernel, types = sig.append_kernel(a), sig.append_types(a)
+    op = _registered(PagedKVAppend if kernel is sig.APPEND else PagedKVAppendRotary)
+    args = [_meta(t, types) for t in kernel.args] + list(sig.append_attrs(a).values())
+    return _module(op, args, a.name, _caches_are_outputs(kernel))
 
 
 def render_variant(v: Variant | AppendKernel) -> str:

@@ -289,19 +289,20 @@ def combine_splits(o, lse, m, l, n: int, sinks: np.ndarray | None):
     return xp.f32(out), xp.f32(xp.where(nan, math.nan, lse_out))
 
 
-def rows_finite(cache, pages: np.ndarray, sel: np.ndarray) -> bool:
-    """Whether cache[pages][sel] is all finite: numpy, or a torch cache on
-    its own device (one small gather and a sync)."""
+def rows_finite(cache, index) -> bool:
+    """Whether the rows cache[index[0], index[1]] of a cache [pages, page,
+    heads, dim] are all finite: numpy, or a torch cache on its own device
+    with the index there too (one gather, one reduction, one sync)."""
     xp = ops_for(cache)
-    return bool(xp.isfinite(xp.f32(cache[xp.like(pages, cache)][xp.like(sel, cache)])).all())
+    return bool(xp.isfinite(xp.f32(cache[index[0], index[1]])).all())
 
 
 def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):
-    """The V rows that a kernel reads but that hold no key, as (pages, sel)
-    pairs: cache[pages][sel] are those rows. A variant without the
-    stale-row guard gives exact results only if they are finite
-    (Variant.v_guard). Stale K rows do not matter: the online kernels turn a
-    NaN/+Inf score into a sentinel that the mask removes.
+    """The V rows that a kernel reads but that hold no key, as (pages, rows):
+    cache[pages, rows] are those rows. A variant without the stale-row guard
+    gives exact results only if they are finite (Variant.v_guard). Stale K
+    rows do not matter: the online kernels turn a NaN/+Inf score into a
+    sentinel that the mask removes.
 
     Those rows are the tail of each sequence's last page (past seqlen_k) and,
     with gappy KV, the head of its first page (before kv_shift). Unused
@@ -310,24 +311,27 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
     key (every page read would then be unchecked)."""
     sk = seqlen_k.astype(np.int64)
     ks = kv_shift.astype(np.int64)
-    rows = np.arange(page)[None, :]
-    have = sk > 0
-    if not have.any():
+    b = np.nonzero(sk > 0)[0]
+    if not b.size:
         return None
+    rows = np.arange(page)[None, :]
     last_col = (ks + sk - 1) // page
-    b = np.nonzero(have)[0]
     tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
     head = rows < ks[b][:, None]  # rows before the first key (first page)
-    return [(pages, sel) for pages, sel in ((block_table[b, last_col[b]], tail), (block_table[b, 0], head))
-            if sel.any()]
+    pages = [np.broadcast_to(block_table[b, col][:, None], tail.shape)[sel]
+             for col, sel in ((last_col[b], tail), (0, head))]
+    picked = [np.broadcast_to(rows, tail.shape)[sel] for sel in (tail, head)]
+    return np.concatenate(pages).astype(np.int64), np.concatenate(picked).astype(np.int64)
 
 
 def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray,
                       kv_shift: np.ndarray, page: int) -> bool:
     """Whether the stale_rows of a row-major cache [pages, page, heads, dim]
     (numpy or torch) are finite."""
-    pairs = stale_rows(block_table, seqlen_k, kv_shift, page)
-    return pairs is not None and all(rows_finite(v_cache, pages, sel) for pages, sel in pairs)
+    index = stale_rows(block_table, seqlen_k, kv_shift, page)
+    if index is None:
+        return False
+    return rows_finite(v_cache, [ops_for(v_cache).like(i, v_cache) for i in index])
 
 
 def fill_unused_slots(block_table: np.ndarray, used: np.ndarray) -> None:

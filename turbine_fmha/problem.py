@@ -52,6 +52,12 @@ class Layout:
             return (self.num_pages, self.nhead_k, self.hdim_v, self.page_block_size)
         return (self.num_pages, self.page_block_size, self.nhead_k, self.hdim_v)
 
+    def result_shapes(self, q_shape: tuple, group: bool) -> tuple[tuple, tuple]:
+        """(out, LSE) shapes for q of `q_shape`: out is q's rows by hdim_v;
+        LSE is [batch, nhead_q, seqlen_q], or [nhead_q, total_q] in group mode."""
+        rows = tuple(q_shape[:-1])
+        return rows + (self.hdim_v,), ((self.nhead_q, rows[0]) if group else (rows[0], self.nhead_q, rows[1]))
+
 
 def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool) -> Layout:
     """The layout q and the caches have (anything with shape, ndim and a

@@ -24,29 +24,24 @@ from pathlib import Path
 
 from .artifacts import ArtifactError  # re-exported: defined with the artifact store
 from .interop import DeviceInterop
+from .invoke import _Loaded
+from .plan_cache import PlanCache
 from .selection import VariantSelection, _problem_key
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
 from .variants import KERNEL_ABI, AppendKernel, Variant, parse_kernel
 
-ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
-ENV_CACHE = "TURBINE_FMHA_CACHE"
+# The default directories' rule (re-exported: callers imported it from here).
+from .paths import (  # noqa: F401
+    ENV_ARTIFACTS,
+    ENV_CACHE,
+    default_artifact_dir,
+    default_cache_dir,
+    default_compile_missing,
+)
+
 ENV_MANIFEST_SHA256 = "TURBINE_FMHA_MANIFEST_SHA256"
 # "1" keeps IREE's stream-ordered CUDA allocations (see _shared_config).
 ENV_CUDA_ASYNC_ALLOCATIONS = "TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS"
-
-
-def default_artifact_dir() -> Path:
-    env = os.environ.get(ENV_ARTIFACTS)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent / "artifacts"
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get(ENV_CACHE)
-    if env:
-        return Path(env)
-    return Path(os.path.expanduser("~/.cache/turbine-fmha"))
 
 
 def runtime_version() -> str:
@@ -55,38 +50,14 @@ def runtime_version() -> str:
     return VERSION
 
 
-class _Loaded:
-    """One verified, loaded artifact. The VM module is shared; each thread
-    gets its own VM context (IREE contexts are not safe for concurrent
-    invocation), so calls from several threads run concurrently."""
-
-    def __init__(self, variant: Variant, vm_module, config):
-        self.variant = variant
-        self.vm_module = vm_module
-        self.config = config
-        self._tls = threading.local()
-
-    @property
-    def function(self):
-        fn = getattr(self._tls, "fn", None)
-        if fn is None:
-            import iree.runtime as rt
-
-            ctx = rt.SystemContext(config=self.config)
-            ctx.add_vm_module(self.vm_module)
-            fn = ctx.modules[self.vm_module.name][self.variant.name]
-            self._tls.ctx, self._tls.fn = ctx, fn
-        return fn
-
-
 class Session(VariantSelection, DeviceInterop):
     """Loaded kernels for one device.
 
     Args:
       device: "cpu" (llvm-cpu artifacts on the local-task driver), "cuda" or
         "hip".
-      artifact_dir: directory with manifest.json (default: $TURBINE_FMHA_ARTIFACTS
-        or <repo>/artifacts).
+      artifact_dir: directory with manifest.json (default: $TURBINE_FMHA_ARTIFACTS,
+        else the user cache directory: turbine_fmha.paths).
       target: artifact target to load (default per device: host, cuda, gfx942).
       compile_missing: when a variant has no artifact, compile it into
         `cache_dir` (needs iree-base-compiler and iree-turbine) instead of
@@ -147,6 +118,8 @@ class Session(VariantSelection, DeviceInterop):
         self._tls = threading.local()
         self._executor = None
         self._config = None
+        # One-shot calls' plans, for the next call with equal inputs.
+        self.plans = PlanCache()
         self._index: dict[str, dict] = {}
         # Variants by problem (Variant.problem as a tuple), so choosing one
         # per call does not re-parse every manifest name.
@@ -198,21 +171,26 @@ class Session(VariantSelection, DeviceInterop):
                 # On-demand builds go through build(), which recompiles only
                 # when the rendered kernel, flags or compiler changed.
                 if not self.compile_missing:
-                    raise ArtifactError(
-                        f"no {self.target.name} artifact for variant {name} in "
-                        f"{self.artifact_dir}. Build it with:\n"
-                        f"  turbine-fmha build --targets {self.target.name} "
-                        f"--out {self.artifact_dir} --variants {name}\n"
-                        f"or create the Session with compile_missing=True."
-                    )
+                    raise ArtifactError(f"no {self.target.name} artifact for variant {name} in "
+                                        f"{self.artifact_dir}. " + self.build_hint(name))
                 entry = self._compile_into_cache(variant)
             loaded = self._load_entry(variant, entry)
             self._loaded[name] = loaded
             return loaded
 
     def _compile_into_cache(self, variant: Variant) -> dict:
-        from .build import build
+        import logging
 
+        from .build import build, require_build_extra
+
+        # The runtime alone would fail deep in the build on its first
+        # import of the compiler or torch; say which extra to install.
+        require_build_extra(f"compile_missing (compiling {variant.name})")
+        if variant.name not in self._index:
+            # Visible without any logging setup (WARNING reaches stderr):
+            # a first call stalls for seconds while this compiles.
+            logging.getLogger(__name__).warning(
+                "turbine-fmha: compiling %s for %s into %s (first use)", variant.name, self.target.name, self.cache_dir)
         build(self.cache_dir, [self.target.name], [variant])
         if self._index.pop(variant.name, None) is not None and isinstance(variant, Variant):
             self._by_problem[_problem_key(variant.problem)].remove(variant)
@@ -235,7 +213,7 @@ class Session(VariantSelection, DeviceInterop):
                 except Exception as e:  # the runtime's own message says what is wrong
                     raise ArtifactError(f"cannot load {path}: {e}") from None
                 _MODULES[key] = vm_module
-        loaded = _Loaded(variant, vm_module, config)
+        loaded = _Loaded(variant, vm_module, config, spin=self.target.driver != "local-task")
         try:
             loaded.function  # resolve the entry point now: a bad module fails here
         except Exception as e:
@@ -246,7 +224,7 @@ class Session(VariantSelection, DeviceInterop):
 
     def append_function(self, kernel: AppendKernel):
         """The loaded in-place append kernel (PagedKVCache on a device)."""
-        return self._load(kernel).function
+        return self._load(kernel)
 
     def device_of(self):
         """The IREE HAL device this session runs on."""
@@ -278,7 +256,7 @@ class Session(VariantSelection, DeviceInterop):
         DeviceArrays with on_device=True (see to_torch)."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
-        res = tuple(loaded.function(*args))[: 4 if stats else 2]
+        res = loaded.invoke(list(args), 4 if stats else 2)
         if on_device:
             return res
         # Only the results asked for are copied (a copy back from a GPU
@@ -356,6 +334,6 @@ def default_session(device: str) -> Session:
     with _DEFAULT_LOCK:
         s = _DEFAULT_SESSIONS.get(device)
         if s is None:
-            s = Session(device)
+            s = Session(device, compile_missing=default_compile_missing())
             _DEFAULT_SESSIONS[device] = s
         return s

@@ -15,6 +15,13 @@ class VariantSelection:
     """Mixed into Session: needs `_by_problem`, `formulation`,
     `compile_missing`, `target` and `artifact_dir`."""
 
+    def build_hint(self, name: str) -> str:
+        """How to get the missing artifact `name`, for error messages."""
+        return (f"Build it with:\n  turbine-fmha build --targets {self.target.name} "
+                f"--artifacts {self.artifact_dir} --variants {name}\n"
+                f"or create the Session with compile_missing=True (either needs the build extra: "
+                f"pip install 'turbine-fmha[build]').")
+
     def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem); among static (online) variants, the one that pads
@@ -34,13 +41,8 @@ class VariantSelection:
                 cands.append(preferred)
         if not cands:
             described = ", ".join(f"{k}={v}" for k, v in problem.items())
-            raise ArtifactError(
-                f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
-                f"Build it with:\n"
-                f"  turbine-fmha build --targets {self.target.name} --out {self.artifact_dir} "
-                f"--variants {self._default_variant_for(problem, seqlen_q).name}\n"
-                f"or create the Session with compile_missing=True."
-            )
+            raise ArtifactError(f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
+                                + self.build_hint(self._default_variant_for(problem, seqlen_q).name))
 
         def cost(v: Variant):
             # Least padded work first, then fewest kernel calls.

@@ -117,6 +117,24 @@ APPEND = Kernel(
     results=(Tensor("k_out", ("NP", "PG", "HK", "D"), "KV"), Tensor("v_out", ("NP", "PG", "HK", "DV"), "KV")),
 )
 
+# The append with ck_tile appendkv's rotary embedding (AppendKernel.rotary):
+# the new K rows are rotated at positions k_pos before they are written, and
+# q's rows at q_pos come back rotated as q_out (q may have no rows).
+# rotary_dim is twice the tables' width RH; the tables are f32 (the
+# rotation is computed in f32 and rounded to the cache type once).
+APPEND_ROTARY = Kernel(
+    "pagedkv_append_rotary",
+    args=APPEND.args + (
+        Tensor("k_pos", ("T",), "i32"),
+        Tensor("q", ("TQ", "HQ", "D"), "KV"),
+        Tensor("q_pos", ("TQ",), "i32"),
+        Tensor("rotary_cos", ("R", "RH"), "f32"),
+        Tensor("rotary_sin", ("R", "RH"), "f32"),
+    ),
+    attrs=(Attr("rotary", "str"),),
+    results=APPEND.results + (Tensor("q_out", ("TQ", "HQ", "D"), "KV"),),
+)
+
 # The attention kernels' tensor arguments in call order; the optional ones
 # are passed only where the variant has them (call_args).
 KERNEL_ARGS = tuple(a.name for a in FWD.args)
@@ -126,7 +144,7 @@ OPTIONAL_ARGS = frozenset(a.name for a in FWD.args if a.optional)
 # it. (An int: manifests store it as one.)
 # The repr is process-independent: sets are sorted (their own order follows
 # the per-process string hash).
-_CANONICAL = repr(([(k, sorted(v)) for k, v in sorted(STATIC.items())], FWD, APPEND))
+_CANONICAL = repr(([(k, sorted(v)) for k, v in sorted(STATIC.items())], FWD, APPEND, APPEND_ROTARY))
 KERNEL_ABI = int(hashlib.sha256(_CANONICAL.encode()).hexdigest()[:12], 16)
 
 
@@ -174,10 +192,21 @@ def fwd_types(v) -> Types:
     return Types(sym, {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"}, v.v_layout)
 
 
+def append_kernel(a) -> Kernel:
+    """The declaration AppendKernel `a` is built from."""
+    return APPEND if a.rotary == "none" else APPEND_ROTARY
+
+
+def append_attrs(a) -> dict:
+    """The attribute values of AppendKernel `a`, in its declaration's order."""
+    return {} if a.rotary == "none" else {"rotary": a.rotary}
+
+
 def append_types(a) -> Types:
-    """The append declaration bound for AppendKernel `a`."""
-    sizes = {"T": 0, "NP": 0, "HK": a.nhead_k, "D": a.hdim, "DV": a.hdim_v, "PG": a.page_block_size}
-    return Types(_bound(sizes, STATIC["append"]), {"KV": a.dtype, "i32": "i32"})
+    """The append declarations bound for AppendKernel `a`."""
+    sizes = {"T": 0, "NP": 0, "HK": a.nhead_k, "D": a.hdim, "DV": a.hdim_v, "PG": a.page_block_size,
+             "TQ": 0, "HQ": 0, "R": 0, "RH": 0}
+    return Types(_bound(sizes, STATIC["append"]), {"KV": a.dtype, "i32": "i32", "f32": "f32"})
 
 
 def shape_of(t: Tensor, sym: dict, v_layout: str = "row") -> list:

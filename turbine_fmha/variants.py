@@ -16,6 +16,7 @@ Heads, head dims and page size are static in every variant.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from .naming import NameCodec, Named, enum, number
 from .signature import KERNEL_ABI  # noqa: F401 (re-exported)
@@ -255,13 +256,7 @@ def host_default_set() -> list[Variant]:
     page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
     and fp8 (e4m3) static quantization.
     """
-    out = []
-    for dtype in ("f16", "bf16", "f32"):
-        for hd in DEFAULT_HDIMS:
-            for nq, nk in DEFAULT_HEADS:
-                for page in DEFAULT_PAGES:
-                    for mask in MASKS:
-                        out.append(Variant(dtype, hd, hd, nq, nk, page, mask))
+    out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
     for dtype in ("f16", "bf16"):
         for mask in ("top_left", "bottom_right"):
             out += _feature_variants(dtype, 16, mask)
@@ -296,12 +291,7 @@ def gpu_default_set() -> list[Variant]:
     """
     out = []
     for dtype in ("f16", "bf16"):
-        for page in (16, 64):
-            for bt, mq in GPU_DECODE_TILES:
-                out.append(Variant(dtype, 128, 128, 32, 8, page, "none", formulation="online", batch_tile=bt, seqlen_q_tile=mq))
-            for bt, mq in GPU_PREFILL_TILES:
-                for mask in ("none", "bottom_right"):
-                    out.append(Variant(dtype, 128, 128, 32, 8, page, mask, formulation="online", batch_tile=bt, seqlen_q_tile=mq))
+        out += plain_variants("online", (dtype,), ((128, 128),), ((32, 8),), (16, 64))
         bt, mq = GPU_DECODE_TILE
         out += _feature_variants(dtype, 16, "none", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
         bt, mq = GPU_PREFILL_TILE
@@ -313,10 +303,34 @@ def gpu_default_set() -> list[Variant]:
             # online_unsupported); it compiles for every GPU target.
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
-    # Each online variant also without the V guard: the runtime's choice
-    # when the stale value rows are finite (the common case).
-    out += [dataclasses.replace(v, v_guard=False) for v in out if v.formulation == "online" and v.v_layout == "row"]
+    out += without_v_guard(out)
     out += _static_quant_variants()
+    return out
+
+
+def without_v_guard(variants: list[Variant]) -> list[Variant]:
+    """Each online row-major variant again without the V guard: the
+    runtime's choice when the stale V rows are finite (Variant.v_guard)."""
+    return [dataclasses.replace(v, v_guard=False) for v in variants if v.formulation == "online" and v.v_layout == "row"]
+
+
+def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Variant]:
+    """The featureless variants the runtime selects (selection.py) for each
+    combination of dtypes, (hdim_q, hdim_v), (nhead_q, nhead_k) and pages in
+    `formulation`. Explicit: one per mask. Online: decode tiles without a
+    mask (attention._Plan drops a causal decode row's), prefill tiles without
+    a mask and bottom-right; the explicit ones where online_unsupported.
+    Split-KV's partial calls use the same kernels."""
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    tiles = [(t, "none") for t in GPU_DECODE_TILES] + [(t, m) for t in GPU_PREFILL_TILES for m in ("none", "bottom_right")]
+    out = []
+    for dtype, (hq, hv), (nq, nk), page in itertools.product(dtypes, hdims, heads, pages):
+        shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, nhead_q=nq, nhead_k=nk, page_block_size=page)
+        if formulation == "online" and not online_unsupported(Variant(**shape).problem):
+            out += [Variant(**shape, mask=m, formulation="online", batch_tile=bt, seqlen_q_tile=mq) for (bt, mq), m in tiles]
+        else:
+            out += [Variant(**shape, mask=m) for m in MASKS]
     return out
 
 
@@ -331,18 +345,28 @@ def target_unsupported(variant: Variant, target_kind: str) -> str | None:
 
 # i8: the bytes of an fp8 cache of any format (a scatter copies bits).
 APPEND_DTYPES = ("f16", "bf16", "f32", "i8")
+# ck_tile appendkv's rotary embedding of the new K rows (and of q):
+# "interleaved" rotates pairs (0, 1), (2, 3), ... (GPT-J), "half" pairs
+# (i, i + rotary_dim / 2) (GPT-NeoX).
+ROTARY_MODES = ("none", "interleaved", "half")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class AppendKernel(Named):
     """The in-place append of tokens' K/V into a page pool (PagedKVCache on
-    a device). Named and built like the attention variants."""
+    a device, turbine_fmha.reshape_and_cache). Named and built like the
+    attention variants. With `rotary`, it also rotates the new K rows and a
+    q (signature.APPEND_ROTARY)."""
 
+    # The metadata writes the name: pagedkv_append_<dtype>_h<nhead_k>
+    # _d<hdim>x<hdim_v>_pg<page>[_ropei|_ropeh].
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in APPEND_DTYPES}))
     nhead_k: int = dataclasses.field(metadata=number(1, "_h"))
     hdim: int = dataclasses.field(metadata=number(2, "_d"))
     hdim_v: int = dataclasses.field(metadata=number(3, "x"))
     page_block_size: int = dataclasses.field(metadata=number(4, "_pg"))
+    rotary: str = dataclasses.field(default="none", metadata=enum(5, {"none": "", "interleaved": "_ropei",
+                                                                       "half": "_ropeh"}))
 
     def __post_init__(self):
         if self.dtype not in APPEND_DTYPES:
@@ -350,6 +374,11 @@ class AppendKernel(Named):
         for f in ("nhead_k", "hdim", "hdim_v", "page_block_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.rotary not in ROTARY_MODES:
+            raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {self.rotary!r}")
+        if self.rotary != "none" and self.dtype == "i8":
+            # fp8 rows are copied as bits: rotating them would need the fp8 codec.
+            raise ValueError("rotary embedding needs an f16/bf16/f32 cache, got dtype='i8' (fp8 bytes)")
 
 
 

@@ -1,0 +1,90 @@
+"""How the runtime calls a loaded artifact (runtime._Loaded.invoke).
+
+Artifacts are built async-external (targets.EXECUTION_MODEL): the entry
+point takes a wait and a signal fence and the runtime waits itself.
+Directories built before that hold synchronous entry points, which must
+keep working, and a call that fails must not leave the thread's timeline
+failed for the calls after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import turbine_fmha
+from conftest import make_problem
+from turbine_fmha.arrays import _Results
+from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.runtime import _Loaded
+
+SHAPE = dict(dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 5], nhead_q=4, nhead_k=2, hdim=64, page=16)
+
+
+def _planned(session, rng):
+    q, k, v, bt, sk = make_problem(rng, **SHAPE)
+    attn = turbine_fmha.PagedAttention(session).plan(bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4,
+                                                     nhead_k=2, hdim=64, dtype="f16")
+    ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    return attn, (q, k, v), ref
+
+
+def _args(attn, q, k, v):
+    plan = attn._plan
+    variant = plan._variant(plan._rows_finite(v))
+    st = plan._device_steps(variant, _Results(attn.session))[0]
+    return variant, [st.q(q), k, v, *st.args]
+
+
+def test_built_artifacts_are_fenced(explicit_session, rng):
+    attn, (q, k, v), ref = _planned(explicit_session, rng)
+    out = attn.run(q, k, v)
+    loaded = explicit_session._load(explicit_session.last_variant)
+    assert loaded._tls.fenced, "the runtime's own builds should take fences"
+    assert np.abs(out.astype(np.float64) - ref).max() <= 5e-3 * np.abs(ref).max()  # conftest.OUT_TOL f16
+
+
+def test_synchronous_artifact_still_runs(explicit_session, rng, tmp_path):
+    """An artifact compiled without the execution-model flag (as before it
+    existed) is called without fences and gives the same bits."""
+    from turbine_fmha import compiler, targets
+    from turbine_fmha.kernels import render_variant
+
+    attn, (q, k, v), ref = _planned(explicit_session, rng)
+    variant, args = _args(attn, q, k, v)
+    fenced = explicit_session._load(variant).invoke(args, 2)[0].to_host()
+    host = targets.TARGETS["host"]
+    sync = dataclasses.replace(host, flags=tuple(f for f in host.flags if f != targets.EXECUTION_MODEL))
+    path = tmp_path / "sync.vmfb"
+    compiler._compile_one(render_variant(variant), variant.name, path, sync)
+    import iree.runtime as rt
+
+    config = explicit_session._iree_config()
+    loaded = _Loaded(variant, rt.VmModule.copy_buffer(config.vm_instance, Path(path).read_bytes()), config, spin=False)
+    out = loaded.invoke(args, 2)[0].to_host()
+    assert not loaded._tls.fenced
+    np.testing.assert_array_equal(out, fenced)
+
+
+def test_failed_call_leaves_the_next_one_working(explicit_session, rng):
+    """A call the VM refuses consumes a timeline value without signalling
+    it; the thread's next calls must still complete and agree."""
+    attn, (q, k, v), ref = _planned(explicit_session, rng)
+    variant, args = _args(attn, q, k, v)
+    loaded = explicit_session._load(variant)
+    good = loaded.invoke(args, 2)[0].to_host()
+    with pytest.raises(Exception):
+        loaded.invoke(args[:-1], 2)  # an argument short: the VM refuses the call
+    np.testing.assert_array_equal(loaded.invoke(args, 2)[0].to_host(), good)
+    np.testing.assert_array_equal(attn.run(q, k, v), good)
+
+
+def test_spin_only_on_gpus(explicit_session, rng):
+    """CPU kernels run on this machine's cores: a polling host thread would
+    take one from them."""
+    attn, (q, k, v), _ = _planned(explicit_session, rng)
+    attn.run(q, k, v)
+    assert explicit_session._load(explicit_session.last_variant).spin is False

@@ -1,0 +1,180 @@
+"""flash-attn's conventions, mapped onto fmha_fwd_paged / fmha_fwd_kvcache.
+
+- `conventions`: `causal=True`, `softmax_scale` and `window_size=(left,
+  right)` as the runtime's own mask_type / scale / window_size_left and
+  window_size_right (fmha_fwd_paged takes both spellings).
+- `kvcache_seqlens`: fmha_fwd_kvcache's key counts given as `seqlen_k` or
+  `cache_seqlens`, an int or an array.
+- `flash_attn_with_kvcache`: flash-attn's function of that name, with its
+  argument names and semantics.
+
+Nothing here imports torch or touches array data: it runs as it is inside
+torch.compile, before the call reaches the registered op (torch_ops).
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+
+import numpy as np
+
+from .arrays import _is_torch
+from .checks import check_int, int_array
+
+
+def conventions(*, scale=None, softmax_scale=None, causal=False, window_size=None, mask_type="none",
+                window_size_left=-1, window_size_right=-1) -> dict:
+    """scale, mask_type, window_size_left and window_size_right from either
+    spelling. Two spellings of one thing that disagree raise ValueError
+    naming both; values are checked later, by the Problem."""
+    if softmax_scale is not None:
+        if scale is not None:
+            raise ValueError("scale and softmax_scale are the same argument (softmax_scale is flash-attn's "
+                             "name): pass one of them")
+        scale = softmax_scale
+    right_name = "window_size_right"
+    if window_size is not None:
+        if (window_size_left, window_size_right) != (-1, -1):
+            raise ValueError("window_size and window_size_left/window_size_right are the same argument: pass "
+                             "either window_size=(left, right) or the two sides")
+        window_size_left, window_size_right = _pair(window_size)
+        right_name = "window_size[1]"
+        # flash-attn's local windows are aligned like its causal mask: to
+        # the bottom right (the top-left form needs mask_type to say so).
+        if mask_type == "none" and (window_size_left, window_size_right) != (-1, -1):
+            mask_type = "bottom_right"
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal:
+        if mask_type == "top_left":
+            raise ValueError("causal=True (the bottom-right causal mask) conflicts with mask_type='top_left'")
+        # An unbounded right side (-1) is the default of both spellings:
+        # only a positive one contradicts causal.
+        if isinstance(window_size_right, numbers.Integral) and window_size_right > 0:
+            raise ValueError(f"causal=True (a right window side of 0) conflicts with {right_name} = "
+                             f"{window_size_right}")
+        mask_type, window_size_right = "bottom_right", 0
+    return dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
+                window_size_right=window_size_right)
+
+
+def _pair(window_size) -> tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    return tuple(check_int(v, f"window_size[{i}]", minimum=-1) for i, v in enumerate(window_size))
+
+
+def kvcache_seqlens(q, k_cache, seqlen_k=None, cache_seqlens=None, seqstart_q=None):
+    """The key count of each sequence of a non-paged cache: an array given
+    as seqlen_k or cache_seqlens (flash-attn's name), an int for every
+    sequence, or None for the whole cache row (k_cache.shape[1]), as
+    flash-attn does. An int becomes an array beside q (numpy, or a torch
+    tensor in host memory: the tables are read on the host)."""
+    if cache_seqlens is not None:
+        if seqlen_k is not None:
+            raise ValueError("seqlen_k and cache_seqlens are the same argument (cache_seqlens is flash-attn's "
+                             "name): pass one of them")
+        seqlen_k, name = cache_seqlens, "cache_seqlens"
+    else:
+        name = "seqlen_k"
+    if seqlen_k is None:
+        shape = tuple(getattr(k_cache, "shape", ()))
+        seqlen_k = int(shape[1]) if len(shape) == 4 else 0
+    if not isinstance(seqlen_k, numbers.Integral) or isinstance(seqlen_k, bool):
+        return seqlen_k
+    n = check_int(seqlen_k, name, minimum=0)
+    batch = _batch(q, seqstart_q)
+    if _is_torch(q):
+        torch = sys.modules["torch"]
+        return torch.full((batch,), n, dtype=torch.int64)
+    return np.full((batch,), n, np.int64)
+
+
+def _batch(q, seqstart_q) -> int:
+    if seqstart_q is None:
+        shape = tuple(getattr(q, "shape", ()))
+        return int(shape[0]) if shape else 0
+    shape = tuple(getattr(seqstart_q, "shape", ()))
+    if len(shape) != 1:
+        raise ValueError(f"seqstart_q must have 1 dims, got shape {shape}")
+    return max(int(shape[0]) - 1, 0)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            *, session=None, device="cpu"):
+    """flash-attn's `flash_attn_with_kvcache`, run by fmha_fwd_paged (with
+    block_table) or fmha_fwd_kvcache (without).
+
+    Same argument names and semantics: q [batch, seqlen_q, nheads, headdim];
+    k_cache / v_cache [batch_cache, seqlen_cache, nheads_k, headdim], or
+    [num_blocks, page_block_size, nheads_k, headdim] with block_table
+    [batch, max_blocks_per_seq] (any page size here, not only multiples of
+    256); cache_seqlens an int or [batch] (default: the whole cache row, or
+    the block table's capacity); cache_batch_idx (non-paged caches only, as
+    in flash-attn); cache_leftpad [batch] (keys start there; here with
+    paged caches too); causal (bottom-right aligned); window_size (left,
+    right), -1 unbounded, bottom-right aligned; softcap (0 = off);
+    alibi_slopes [nheads] or [batch, nheads]; num_splits (0 = heuristic);
+    return_softmax_lse (LSE [batch, nheads, seqlen_q] float32). GQA/MQA as
+    in flash-attn. Returns out, or (out, softmax_lse).
+
+    Differences: a query row that sees no key has LSE -inf (flash-attn
+    returns +inf; the output is 0 in both). Conflicting arguments raise
+    instead of one silently winning: causal=True with a positive
+    window_size[1], cache_batch_idx with block_table, softcap with
+    alibi_slopes (ck_tile forbids it). In-call appends (k, v) and rotary
+    embedding (rotary_cos, rotary_sin) raise NotImplementedError:
+    append to the cache (PagedKVCache.append) and rotate q and the keys
+    first; rotary_interleaved, which only shapes the rotary embedding, is
+    accepted and unused. `session` and `device` are as in fmha_fwd_paged.
+    """
+    from .api import _compiling, fmha_fwd_kvcache, fmha_fwd_paged
+
+    if k is not None or v is not None:
+        raise NotImplementedError("k/v (appending new keys inside the attention call) are not supported: write "
+                                  "them into k_cache/v_cache first (e.g. PagedKVCache.append) and count them in "
+                                  "cache_seqlens")
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos/rotary_sin (rotary embedding inside the attention call) are not "
+                                  "supported: apply the rotary embedding to q and to the keys before the call")
+    if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
+        raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap with any bias)")
+    splits = check_int(num_splits, "num_splits", minimum=0)
+    common = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, logits_soft_cap=softcap,
+                  alibi_slopes=alibi_slopes, num_splits=splits or None, return_lse=return_softmax_lse,
+                  session=session, device=device)
+    eager = not _compiling()
+    if block_table is None:
+        seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
+        return fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, cache_batch_idx=cache_batch_idx,
+                                kv_offset=cache_leftpad, **common)
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
+                         "sequence's pages are its block_table row")
+    if cache_seqlens is None:  # flash-attn: each sequence fills its block table row
+        bt, kc = tuple(getattr(block_table, "shape", ())), tuple(getattr(k_cache, "shape", ()))
+        cache_seqlens = int(bt[1]) * int(kc[1]) if len(bt) == 2 and len(kc) == 4 else 0
+    seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
+    return fmha_fwd_paged(q, k_cache, v_cache, block_table, seqlen_k, kv_offset=cache_leftpad, **common)
+
+
+def _leftpad(seqlen_k, cache_leftpad, *, eager: bool):
+    """flash-attn's cache_leftpad as gappy KV: sequence b's keys are cache
+    positions cache_leftpad[b] .. cache_seqlens[b] - 1, so it has
+    cache_seqlens - cache_leftpad keys, reached through kv_offset."""
+    if cache_leftpad is None:
+        return seqlen_k
+    if not eager:  # traced: values are known only when the op runs, which refuses seqlen_k < 0
+        return seqlen_k.to(cache_leftpad.device) - cache_leftpad
+    pad, ends = int_array(cache_leftpad, "cache_leftpad", 1), int_array(seqlen_k, "cache_seqlens", 1)
+    if pad.shape != ends.shape:
+        raise ValueError(f"cache_leftpad has {pad.shape[0]} entries, expected batch = {ends.shape[0]}")
+    bad = np.nonzero(pad > ends)[0]
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"cache_leftpad[{b}] = {pad[b]} is past cache_seqlens[{b}] = {ends[b]}")
+    return ends.astype(np.int64) - pad

@@ -1,0 +1,130 @@
+"""Calling a loaded artifact: one VM context and timeline per thread, the
+arguments handed to the VM directly, and the wait done here rather than
+inside IREE's synchronous wrapper (polling on GPUs)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+# How long a GPU call's thread polls for completion before it sleeps in the
+# wait: decode kernels take 0.1-1 ms; past 2 ms a late wake-up costs little
+# next to the kernel, and the core is given back.
+SPIN_SECONDS = 0.002
+
+
+class _Loaded:
+    """One verified, loaded artifact. The VM module is shared; each thread
+    gets its own VM context (IREE contexts are not safe for concurrent
+    invocation) and its own timeline semaphore, so calls from several
+    threads run concurrently."""
+
+    def __init__(self, variant, vm_module, config, spin: bool):
+        self.variant = variant
+        self.vm_module = vm_module
+        self.config = config
+        self.spin = spin
+        self._tls = threading.local()
+
+    @property
+    def function(self):
+        fn = getattr(self._tls, "fn", None)
+        if fn is None:
+            import iree.runtime as rt
+
+            ctx = rt.SystemContext(config=self.config)
+            ctx.add_vm_module(self.vm_module)
+            fn = ctx.modules[self.vm_module.name][self.variant.name]
+            t = self._tls
+            t.ctx, t.fn = ctx, fn
+            # Artifacts built by turbine-fmha take a wait and a signal fence
+            # (targets.EXECUTION_MODEL); artifacts from older builds are
+            # synchronous functions, still called as such.
+            t.fenced = fn.vm_function.reflection.get("iree.abi.model") == "coarse-fences"
+            t.timeline, t.value = (self.config.device.create_semaphore(0), 0) if t.fenced else (None, 0)
+        return fn
+
+    def __call__(self, *args):
+        """All results of the entry point on `args` (see invoke)."""
+        return self.invoke(list(args))
+
+    def invoke(self, args: list, n_results: int | None = None) -> tuple:
+        """The entry point on `args`, returning its first `n_results`
+        results (all by default) as DeviceArrays once the device work is
+        done."""
+        call = self.enqueue(args)
+        call.wait()
+        return call.results(n_results)
+
+    def enqueue(self, args: list, after=None) -> "_Call":
+        """Queues the entry point on `args` and returns at once (for
+        artifacts built before EXECUTION_MODEL, after the work). Device
+        arrays go straight to the VM (FunctionInvoker's packing and wrapping
+        cost ~0.1 ms a call on the H200); host arrays are copied in, as
+        FunctionInvoker would. `after`: a _Call whose work must finish
+        first (default: none, the inputs are ready)."""
+        import iree.runtime as rt
+
+        fn, device, t = self.function, self.config.device, self._tls
+        arg_list = rt.VmVariantList(len(args) + 2)
+        for a in args:
+            if not isinstance(a, rt.DeviceArray):
+                a = rt.asdevicearray(device, a)
+            arg_list.push_ref(a._buffer_view.ref)
+        call = _Call(self, rt.VmVariantList(4))
+        if t.fenced:
+            t.value += 1
+            wait = after.done if after is not None and after.done is not None else rt.HalFence(1)
+            arg_list.push_ref(wait.ref)
+            call.timeline, call.value = t.timeline, t.value
+            call.done = rt.HalFence.create_at(t.timeline, t.value)
+            arg_list.push_ref(call.done.ref)
+        try:
+            fn._vm_context.invoke(fn.vm_function, arg_list, call.ret_list)
+        except Exception:
+            self._reset()
+            raise
+        return call
+
+    def _reset(self, failed=None) -> None:
+        """A new timeline for this thread if it uses `failed` (default: its
+        own): a failed timeline stays failed."""
+        t = self._tls
+        if getattr(t, "fenced", False) and (failed is None or failed is t.timeline):
+            t.timeline, t.value = self.config.device.create_semaphore(0), 0
+
+
+
+class _Call:
+    """One queued call of a _Loaded: its results and its signal fence."""
+
+    def __init__(self, loaded: _Loaded, ret_list):
+        self.loaded, self.ret_list = loaded, ret_list
+        self.done, self.timeline, self.value = None, None, 0
+
+    def wait(self) -> None:
+        """Returns once the call's device work is done. On a GPU the thread
+        first polls for up to SPIN_SECONDS: a thread that sleeps in the wait
+        wakes late and cold, which cost ~0.1 ms per decode call on the H200
+        (docs/perf-notes.md). CPU kernels run on this machine's cores, so
+        the host never spins there."""
+        if self.done is None:
+            return
+        if self.loaded.spin:
+            deadline = time.perf_counter() + SPIN_SECONDS
+            while self.timeline.query() < self.value and time.perf_counter() < deadline:
+                pass
+        try:
+            self.done.wait()  # raises if the device work failed
+        except Exception:
+            self.loaded._reset(self.timeline)
+            raise
+
+    def results(self, n: int | None = None) -> tuple:
+        """The first n results (all by default) as DeviceArrays; valid once
+        wait() has returned."""
+        import iree.runtime as rt
+
+        device = self.loaded.config.device
+        n = len(self.ret_list) if n is None else n
+        return tuple(rt.DeviceArray(device, self.ret_list.get_as_object(i, rt.HalBufferView)) for i in range(n))
