@@ -100,7 +100,11 @@ def _kernel_alone_ms(attn, q, k, v, calls: int) -> float:
     plan, session = attn._plan, attn.session
     variant = plan._variant(plan.guard_free)
     steps = plan._device_steps(variant, _Results(session, q if _is_torch(q) else None))
-    fn = session._load(variant).function
+    loaded = session._load(variant)
+
+    def fn(*args):
+        return loaded.invoke(list(args), 2)
+
     dev = session.device_of()
 
     def arg(x):

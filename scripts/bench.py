@@ -6,8 +6,11 @@ Shapes (GQA 32/8, hdim 128, page 16, fp16 unless --dtypes says more):
   cuda: decode batch 32 x seqlen_k 4096; prefill 1 x 4096 causal bottom-right
 
 Columns:
-  ours_ms      kernel calls on device-resident inputs (the runtime's own
-               padding/chunking loop included), median of --repeat runs
+  ours_ms      device time of the kernel calls on device-resident inputs
+               (the runtime's own padding/chunking loop included): --repeat
+               calls queued back to back, one wait at the end
+  ours_host_copy_ms  copying that output to the host (and merging split-KV
+               partials there), which the device time leaves out
   ours_api_ms  the public fmha_fwd_paged call on numpy inputs (host->device
                copies, validation and output copies included)
   ours_run_ms  PagedAttention.run() on tables planned once, with q and the
@@ -15,7 +18,8 @@ Columns:
                cuda, numpy on the CPU), results left there
   ours_one_shot_ms  fmha_fwd_paged on those same arrays (plan + run)
   baseline_ms  torch: index_select pages through the block table, then
-               F.scaled_dot_product_attention (4-D, enable_gqa, same mask)
+               F.scaled_dot_product_attention (4-D, enable_gqa, same mask),
+               timed like ours_ms (back to back, one synchronize)
   sdpa_contig_ms  torch SDPA on already-contiguous K/V (no gather): a roof
 Decode reports effective KV bandwidth in GB/s (K+V bytes of the used keys
 / time);
@@ -63,16 +67,21 @@ def np_dtype(name):
     return {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "bf16": _bf16()}[name]
 
 
-def median_ms(fn, repeat, warmup=2, sync=lambda: None, warmup_s=1.0):
-    # Warm up for a number of calls and at least warmup_s: on the CPU the
-    # first kernel timed in a process ran 2x slow for several calls (seen:
-    # 108 ms vs 46 ms for the same decode), so a fixed two calls is not enough.
-    t_end = time.perf_counter() + warmup_s
+def warm_up(fn, sync, calls, seconds):
+    # A number of calls and at least `seconds`: on the CPU the first kernel
+    # timed in a process ran 2x slow for several calls (seen: 108 ms vs 46 ms
+    # for the same decode), so a fixed two calls is not enough.
+    t_end = time.perf_counter() + seconds
     n = 0
-    while n < warmup or time.perf_counter() < t_end:
+    while n < calls or time.perf_counter() < t_end:
         fn()
         sync()
         n += 1
+
+
+def median_ms(fn, repeat, warmup=2, sync=lambda: None, warmup_s=1.0):
+    """Median time of one call, each followed by sync()."""
+    warm_up(fn, sync, warmup, warmup_s)
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -80,6 +89,17 @@ def median_ms(fn, repeat, warmup=2, sync=lambda: None, warmup_s=1.0):
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def device_ms(fn, wait, repeat, warmup=3, warmup_s=1.0):
+    """Device time per call: `repeat` calls back to back, one wait at the
+    end (both sides of every comparison are timed this way)."""
+    warm_up(fn, wait, warmup, warmup_s)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    wait()
+    return (time.perf_counter() - t0) * 1e3 / repeat
 
 
 def make_inputs(rng, shape, dtype):
@@ -157,7 +177,7 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
         variant = Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1], v_guard=v_guard)
     else:
         variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard)
-    fn = session._load(variant).function
+    loaded = session._load(variant)
     device = session._iree_config().device
     slopes = kw.get("alibi_slopes")
     call = KernelCall(
@@ -188,27 +208,32 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     stats = [np.empty((nb, HQ, rows), np.float32) for _ in range(3)]
 
     def run():
+        # Each call queued after the previous one, none waited for.
+        prev = last[-1] if last else None
         last.clear()
         for args in calls:
-            last.append(fn(*args))
+            prev = loaded.enqueue(args, after=prev)
+            last.append(prev)
 
-    def sync():
+    def to_host():
+        res = [c.results(4) for c in last]
         if num_splits == 1:
-            for res in last:
-                res[0].to_host()
+            for r in res:
+                r[0].to_host()
             return
-        for res, place in zip(last, places):
-            place((o_parts, *stats), [r.to_host() for r in res])
+        for r, place in zip(res, places):
+            place((o_parts, *stats), [x.to_host() for x in r])
         combine_splits(o_parts, *stats, num_splits, kw.get("sinks"))
 
-    ms = median_ms(run, repeat, sync=sync)
+    ms = device_ms(run, lambda: last[-1].wait(), repeat)
+    copy_ms = median_ms(to_host, max(3, repeat // 3), warmup=1, warmup_s=0.0)
     api_ms = float("nan")
     if api:
         api_ms = median_ms(
             lambda: turbine_fmha.fmha_fwd_paged(*inputs, session=session, device=session.device, **kw),
             max(3, repeat // 3), warmup=1,
         )
-    return variant, ms, api_ms, len(calls)
+    return variant, ms, api_ms, len(calls), copy_ms
 
 
 def bench_planned(session, shape, inputs, dtype, repeat, kw):
@@ -253,17 +278,19 @@ def bench_split_kv(session, rng, dtype, repeat, no_torch):
         base = float("nan") if no_torch else bench_torch(shape, inputs, dtype, session.device, repeat)[0]
         kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
         for n in sorted({1, auto, 4, 16}):
-            _, ms, _, ncalls = bench_ours(session, shape, inputs, dtype, repeat, api=False, num_splits=n)
+            _, ms, _, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat, api=False, num_splits=n)
             row = dict(table="split_kv", device=session.device, dtype=dtype, batch=b, seqlen_k=sk, num_splits=n,
-                       auto=n == auto, kernel_calls=ncalls, ours_ms=round(ms, 3), gbs=round(kv_bytes / (ms * 1e-3) / 1e9, 1),
+                       auto=n == auto, kernel_calls=ncalls, ours_ms=round(ms, 3), host_copy_merge_ms=round(copy_ms, 3),
+                       gbs=round(kv_bytes / (ms * 1e-3) / 1e9, 1),
                        baseline_ms=round(base, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print("| shape | num_splits | ms | KV GB/s | torch gather+SDPA ms |")
-    print("|---|---|---|---|---|")
+    print("| shape | num_splits | device ms | KV GB/s | partials to host + merge ms | torch gather+SDPA ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| decode b{r['batch']} sk{r['seqlen_k']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} | {r['ours_ms']:.2f} | {r['gbs']:.0f} | {r['baseline_ms']:.2f} |")
+        print(f"| decode b{r['batch']} sk{r['seqlen_k']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} | "
+              f"{r['ours_ms']:.2f} | {r['gbs']:.0f} | {r['host_copy_merge_ms']:.2f} | {r['baseline_ms']:.2f} |")
     return rows
 
 
@@ -287,7 +314,7 @@ def bench_block_skipping(session, rng, dtype, repeat):
     try:
         for label, cfg in configs:
             tf_plan.MASKED_CHUNK_ROWS = cfg.get("chunk", saved)
-            variant, ms, _, ncalls = bench_ours(session, shape, inputs, dtype, repeat, api=False, tiles=cfg.get("tiles"))
+            variant, ms, _, ncalls, _ = bench_ours(session, shape, inputs, dtype, repeat, api=False, tiles=cfg.get("tiles"))
             row = dict(table="block_skipping", device=session.device, dtype=dtype, config=label, variant=variant.name,
                        kernel_calls=ncalls, ours_ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 4))
             rows.append(row)
@@ -312,7 +339,7 @@ def bench_features(session, rng, dtype, repeat):
         plain = None
         for name in FEATURES:
             kw = feature_kwargs(name, rng, shape)
-            variant, ms, _, _ = bench_ours(session, shape, inputs, dtype, repeat, kw=kw, api=False)
+            variant, ms, _, _, _ = bench_ours(session, shape, inputs, dtype, repeat, kw=kw, api=False)
             plain = plain or ms
             row = dict(table="features", name=shape["name"], feature=name, device=session.device, dtype=dtype,
                        batch=shape["batch"], seqlen_q=shape["seqlen_q"], seqlen_k=shape["seqlen_k"],
@@ -349,8 +376,6 @@ def bench_torch(shape, inputs, dtype, device, repeat):
     import torch
     import torch.nn.functional as F
 
-    tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
-
     def tt(a):
         if a.dtype == _bf16():
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
@@ -377,8 +402,8 @@ def bench_torch(shape, inputs, dtype, device, repeat):
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.no_grad():
-        base = median_ms(gather_sdpa, repeat, sync=sync)
-        roof = median_ms(sdpa, repeat, sync=sync)
+        base = device_ms(gather_sdpa, sync, repeat)
+        roof = device_ms(sdpa, sync, repeat)
     return base, roof
 
 
@@ -516,7 +541,7 @@ def main() -> int:
     for dtype in dtypes:
         for shape in SHAPES[args.device]:
             inputs = make_inputs(rng, shape, dtype)
-            variant, ours, ours_api, ncalls = bench_ours(session, shape, inputs, dtype, repeat)
+            variant, ours, ours_api, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat)
             guarded = float("nan")
             if args.device != "cpu":
                 # The same call through the variant with the V guard (what
@@ -531,7 +556,8 @@ def main() -> int:
             row = dict(
                 name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
                 nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, mask=shape["mask"], variant=variant.name,
-                kernel_calls=ncalls, ours_ms=round(ours, 3), ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
+                kernel_calls=ncalls, ours_ms=round(ours, 3), ours_host_copy_ms=round(copy_ms, 3),
+                ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
                 ours_run_ms=round(run_ms, 3), ours_one_shot_ms=round(one_ms, 3), baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,
             )
             if shape["name"] == "decode":
@@ -547,12 +573,12 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"| shape | dtype | ours ms | ours with V guard ms | ours (API, numpy) ms | run() ms | one-shot ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| shape | dtype | ours ms (device) | output to host ms | ours with V guard ms | ours (API, numpy) ms | run() ms | one-shot ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shape = f"{r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']}"
         print(
-            f"| {shape} | {r['dtype']} | {r['ours_ms']:.2f} | {r['ours_v_guard_ms']:.2f} | {r['ours_api_ms']:.2f} | "
+            f"| {shape} | {r['dtype']} | {r['ours_ms']:.2f} | {r['ours_host_copy_ms']:.2f} | {r['ours_v_guard_ms']:.2f} | {r['ours_api_ms']:.2f} | "
             f"{r['ours_run_ms']:.2f} | {r['ours_one_shot_ms']:.2f} | {r['baseline_ms']:.2f} | "
             f"{r['sdpa_contig_ms']:.2f} | {r['ours_rate']:.3g} {r['unit']} | {r['baseline_rate']:.3g} | "
             f"{r['baseline_ms'] / r['ours_ms']:.2f}x |"

@@ -95,9 +95,9 @@ def main() -> int:
 
     cache = turbine_fmha.PagedKVCache(4, PAGE, HK, D, "f16", session=session)
     a = cache.allocate()
-    v_a = rng.standard_normal((6, HK, D)).astype(np.float32)
-    v_a[4] = 7e4  # +Inf once stored as f16
-    cache.append(a, rng.standard_normal((6, HK, D)).astype(np.float32), v_a)
+    v_a = rng.standard_normal((6, HK, D)).astype(np.float16)
+    v_a[4] = np.inf  # appends take the pool's dtype: the +Inf is stored as given
+    cache.append(a, rng.standard_normal((6, HK, D)).astype(np.float16), v_a)
     cache.free(a)
     b = cache.allocate()
     cache.append(b, rng.standard_normal((3, HK, D)).astype(np.float16), rng.standard_normal((3, HK, D)).astype(np.float16))

@@ -54,6 +54,35 @@ def _err(out, ref):
     return float(np.abs(o - ref).max() / np.abs(ref).max())
 
 
+def _plan_run_layers(session, rng, qt, kt, vt, bt, sl, sample) -> bool:
+    """Planned once, run over three "layers" (caches of their own) twice, so
+    the second pass reuses the caches each plan bound; then a cache of
+    another shape and one resized in place must be refused by name."""
+    pages, page, hk, d = kt.shape
+    attn = turbine_fmha.PagedAttention(session).plan(bt, sl, num_pages=pages, page_block_size=page,
+                                                     nhead_q=qt.shape[2], nhead_k=hk, hdim=d, dtype="f16")
+    layers = [(kt, vt)] + [tuple(torch.from_numpy(x).cuda() for x in _pool(rng, pages, page, hk, d)) for _ in (1, 2)]
+    err = 0.0
+    for _ in range(2):
+        for kk, vv in layers:
+            ref, _ = fmha_fwd_paged_ref(qt[sample].cpu().numpy(), kk.cpu().numpy(), vv.cpu().numpy(),
+                                        bt[sample], sl[sample])
+            err = max(err, _err(attn.run(qt, kk, vv)[sample], ref))
+    refused = []
+    short = layers[1][0][:-1]
+    resized = layers[2][1]
+    resized.resize_(pages - 1, page, hk, d)  # same tensor, bound before: checked again
+    for label, kk, vv in (("a shorter k_cache", short, layers[1][1]), ("a v_cache resized in place", layers[2][0], resized)):
+        try:
+            attn.run(qt, kk, vv)
+            refused.append(f"{label}: NOT refused")
+        except ValueError as e:
+            refused.append(f"{label}: refused ({str(e)[:60]}...)")
+    good = err <= TOL and all("NOT" not in r for r in refused)
+    print(f"plan once, run 3 layers x 2 (bound caches reused): rel err {err:.2e}; " + "; ".join(refused), flush=True)
+    return good
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
@@ -87,6 +116,7 @@ def main() -> int:
         report(label, ms, _err(out[sample], ref), out)
         if isinstance(out, torch.Tensor):
             ok &= out.is_cuda
+    ok &= _plan_run_layers(session, rng, qt, kt, vt, bt, sl, sample)
     # NaN in the stale rows, found on the GPU: in K only it is harmless (the
     # score sentinel and the mask remove it) and the unguarded kernel runs;
     # in V as well the guarded one must.

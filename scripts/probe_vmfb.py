@@ -18,6 +18,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import iree.runtime as rt  # noqa: E402
 
+from turbine_fmha.invoke import _Loaded  # noqa: E402
+
 import bench  # noqa: E402
 from bench import HQ, PAGE, SHAPES, make_inputs, median_ms  # noqa: E402
 from turbine_fmha.mask import MaskSpec  # noqa: E402
@@ -53,8 +55,11 @@ def main() -> int:
     ref, _ = fmha_fwd_paged_ref(q[sample], kc, vc, bt[sample], sk[sample], **kw)
     for path in args.vmfbs:
         vm = rt.VmModule.copy_buffer(config.vm_instance, Path(path).read_bytes())
-        ctx = rt.SystemContext(vm_modules=[vm], config=config)
-        fn = ctx.modules.module[v.name]
+        loaded = _Loaded(v, vm, config, spin=args.device != "local-task")  # fenced or synchronous builds alike
+
+        def fn(*c):
+            return loaded.invoke(list(c))
+
         calls, places = [], []
         for st in kernel_steps(v, call):
             a, place = [st.q(q), *st.args], st.place
