@@ -48,6 +48,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--pairs", type=int, default=2, help="run() / kernel-alone pairs, interleaved")
     ap.add_argument("--profile", action="store_true", help="cProfile of plan() + run(), by own time")
     args = ap.parse_args()
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
@@ -69,7 +70,7 @@ def main() -> int:
     fargs = [session.import_torch(x) for x in (q, k, v)] + steps[0].args
     sync = torch.cuda.synchronize
     r = {}
-    for rep in (1, 2):
+    for rep in range(1, args.pairs + 1):
         r[f"run() #{rep}"] = timed(lambda: attn.run(q, k, v), args.calls, sync)
         r[f"kernel alone #{rep}"] = timed(lambda: loaded.invoke(fargs, 2), args.calls)
     r.update(_staged_run(attn, q, k, v, args.calls))
