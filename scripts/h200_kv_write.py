@@ -87,6 +87,33 @@ def case_write(session, dev, dtype, layout, rotary):
     return ok, f"{int(keep.sum())} rows written, {u.size} untouched"
 
 
+def case_rotary_q(session, dev):
+    """q rotated in the call that writes its keys (positions seqlen_k, as
+    without has_mask); then q alone, which a GPU session refuses by name,
+    after which the device still serves a write."""
+    g = torch.Generator().manual_seed(3)
+    kc, vc = (torch.zeros((PAGES, PAGE, HK, D), dtype=torch.float16, device=dev) for _ in range(2))
+    k, v = (torch.randn((1, 4, HK, D), generator=g).half().to(dev) for _ in range(2))
+    q = torch.randn((1, 4, 32, D), generator=g).half().to(dev)
+    ang = np.arange(64)[:, None] * (1e-2 * np.arange(1, D // 2 + 1))[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    rot = dict(rotary_cos=cos, rotary_sin=sin, seqlen_k=np.array([7], np.int32), session=session)
+    q_out = turbine_fmha.reshape_and_cache(k, v, kc, vc, torch.arange(4, device=dev)[None], q=q, **rot)
+    want = _rope(q.cpu()[0].float().numpy(), np.full(4, 7), cos, sin, False)
+    err = np.abs(q_out.cpu()[0].double().numpy() - want).max() / np.abs(want).max()
+    ok = err <= 2 * ROPE_TOL[torch.float16]
+    refused = "not refused"
+    if dev != "cpu":
+        try:
+            turbine_fmha.reshape_and_cache(k[:, :0], v[:, :0], kc, vc, torch.zeros((1, 0), dtype=torch.int64, device=dev),
+                                           q=q, **rot)
+        except NotImplementedError as e:
+            refused = f"refused ({str(e)[:50]}...)"
+        ok &= refused.startswith("refused")
+    ok &= case_write(session, dev, torch.float16, "NHD", None)[0]  # the device still works
+    return ok, f"q rel err {err:.2e}; q alone: {refused}"
+
+
 def case_cache_append(session, dev):
     g = torch.Generator().manual_seed(2)
     cache = turbine_fmha.PagedKVCache(PAGES, PAGE, HK, D, "f16", session=session, host_mirror=False)
@@ -125,6 +152,7 @@ def main() -> int:
     cases = [(f"reshape_and_cache {layout} {str(dt)[6:]}{' rotary ' + r if r else ''}",
               lambda layout=layout, dt=dt, r=r: case_write(session, dev, dt, layout, r))
              for dt in (torch.float16, torch.bfloat16) for layout in ("NHD", "HND") for r in (None, "half", "interleaved")]
+    cases.append(("rotary of q with its keys; q alone", lambda: case_rotary_q(session, dev)))
     cases.append(("PagedKVCache.append from torch, no host mirror, then attend", lambda: case_cache_append(session, dev)))
     failed = 0
     for label, run in cases:

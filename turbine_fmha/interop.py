@@ -5,7 +5,11 @@ its source."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+from .arrays import _fp8_name, _is_device_array, _is_torch, _to_numpy
 
 
 class DeviceInterop:
@@ -120,3 +124,25 @@ def _capsule(t):
     from torch.utils.dlpack import to_dlpack
 
     return to_dlpack(t)
+
+
+def kernel_input(session, x):
+    """An input of the append kernel as it takes it: host arrays as numpy
+    (fp8 as their bytes), torch tensors on the session's GPU imported."""
+    if _is_device_array(x):
+        return x
+    if _is_torch(x) and x.device.type != "cpu":
+        t = x.detach()
+        return session.import_torch(t.view(sys.modules["torch"].int8) if "float8" in str(t.dtype) else t)
+    a = np.ascontiguousarray(_to_numpy(x, "x"))
+    return a.view(np.int8) if _fp8_name(a.dtype) else a
+
+
+def run_append(session, fn, *arrays):
+    """Calls the loaded append kernel `fn` on its arguments (numpy, torch,
+    DeviceArrays): the caches among them are written in place."""
+    args = [kernel_input(session, a) for a in arrays]
+    torch = sys.modules.get("torch")
+    if session.device != "cpu" and torch is not None:
+        torch.cuda.synchronize(session.torch_device)  # IREE runs on its own stream: torch's writes first
+    return fn(*args)

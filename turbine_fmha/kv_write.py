@@ -23,6 +23,7 @@ import numpy as np
 from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _is_device_array, _is_torch,
                      _numpy_to_torch, _TensorInfo, _to_numpy, overlapping)
 from .checks import check_int, int_array
+from .interop import run_append
 from .variants import AppendKernel
 
 LAYOUTS = ("NHD", "HND")
@@ -330,18 +331,26 @@ def _rotary_q(rot: dict, lead: tuple, seqlen_k: np.ndarray, hdim: int, dtype) ->
 
 
 def _run(session, w: _Write):
-    fn = session.append_function(w.kernel)  # loaded (or compiled) before anything is written
     r = w.rotary
     if not w.slots.size and (r is None or r.q is None):  # nothing to write, no q to rotate
         return None
+    if not w.slots.size and session.device != "cpu":
+        raise NotImplementedError("rotating q without writing any K row is not supported on GPU sessions (the "
+                                  "kernel's K bindings would be empty, which IREE's CUDA driver refuses): rotate "
+                                  "q in the call that writes its keys")
+    fn = session.append_function(w.kernel)  # loaded (or compiled) before anything is written
     k = _take(w.k, w.keep, (-1, w.kernel.nhead_k, w.kernel.hdim))
     v = _take(w.v, w.keep, (-1, w.kernel.nhead_k, w.kernel.hdim_v))
     caches = [kernel_cache(session, c, shape) for c, shape in zip(w.caches, w.views)]
     extra = []
     if r is not None:
         k_pos = r.k_pos if w.keep is None else r.k_pos[w.keep]
-        q = r.q if r.q is not None else np.zeros((0, 1, w.kernel.hdim), w.caches[0].dtype)
-        extra = [np.repeat(k_pos, w.k.shape[1] // w.kernel.nhead_k), q, r.q_pos, r.cos, r.sin]
+        # IREE's CUDA driver refuses empty bindings (CUDA_ERROR_INVALID_VALUE,
+        # and the device fails every call after it): without q, one row of
+        # zeros at position 0 stands in, and its result is dropped.
+        q, q_pos = (r.q, r.q_pos) if r.q is not None else \
+            (np.zeros((1, 1, w.kernel.hdim), w.caches[0].dtype), np.zeros(1, np.int32))
+        extra = [np.repeat(k_pos, w.k.shape[1] // w.kernel.nhead_k), q, q_pos, r.cos, r.sin]
     res = run_append(session, fn, k, v, w.slots, *caches, *extra)
     if r is None or r.q is None:
         return None
@@ -376,25 +385,3 @@ def kernel_cache(session, c: _Cache, shape: tuple):
     if imported is None:  # cache_arg admitted only arrays the session imports
         raise RuntimeError(f"the session could not import a {c.dtype} cache in place")
     return imported
-
-
-def kernel_input(session, x):
-    """An input of the append kernel as it takes it: host arrays as numpy
-    (fp8 as their bytes), torch tensors on the session's GPU imported."""
-    if _is_device_array(x):
-        return x
-    if _is_torch(x) and x.device.type != "cpu":
-        t = x.detach()
-        return session.import_torch(t.view(sys.modules["torch"].int8) if "float8" in str(t.dtype) else t)
-    a = np.ascontiguousarray(_to_numpy(x, "x"))
-    return a.view(np.int8) if _fp8_name(a.dtype) else a
-
-
-def run_append(session, fn, *arrays):
-    """Calls the loaded append kernel `fn` on its arguments (numpy, torch,
-    DeviceArrays): the caches among them are written in place."""
-    args = [kernel_input(session, a) for a in arrays]
-    torch = sys.modules.get("torch")
-    if session.device != "cpu" and torch is not None:
-        torch.cuda.synchronize(session.torch_device)  # IREE runs on its own stream: torch's writes first
-    return fn(*args)
