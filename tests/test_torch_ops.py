@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import turbine_fmha  # noqa: E402
-from conftest import LSE_TOL, OUT_TOL, make_problem  # noqa: E402
+from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem  # noqa: E402
 from test_validation import _TrapSession  # noqa: E402
 from turbine_fmha import torch_ops  # noqa: E402
 from turbine_fmha.flash_attn import flash_attn_with_kvcache  # noqa: E402
@@ -220,9 +220,30 @@ def test_compiled_call_takes_torch_tensors_only(trap, rng):
                       backend="aot_eager")(tq)
 
 
+def test_session_met_first_in_a_graph(explicit_session, trap, rng):
+    """A session that compiled code meets before any eager call: tracing
+    keeps only its id (dynamo folds id() into a constant and guards on the
+    object; torch 2.11 refuses a Session to assume_constant_result), and
+    the op finds the session among the live objects. Another session is
+    another graph that runs on it: the trap session refuses, rather than
+    the first graph's session running."""
+    fresh = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none")
+    assert id(fresh) not in torch_ops._SESSIONS
+    q, k, v, bt, sk = _tensors(*make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4,
+                                             nhead_k=2, hdim=64, page=16))
+    attend = torch.compile(lambda q, s: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, causal=True, session=s),
+                           fullgraph=True, backend="aot_eager")
+    out = attend(q, fresh)
+    assert torch_ops._SESSIONS.get(id(fresh)) is fresh
+    assert torch.equal(out, turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, causal=True, session=explicit_session))
+    with pytest.raises(AssertionError, match="variant selected"):
+        attend(q, trap)
+
+
 def test_session_handles(tmp_path, rng):
     """One handle per live session, 0 for the default one; a handle whose
-    session was collected is refused by the op, not mistaken for another."""
+    session was collected (and whose address no new Session took) is
+    refused by the op."""
     a, b = (turbine_fmha.Session("cpu", artifact_dir=tmp_path) for _ in range(2))
     ha, hb = torch_ops.session_handle(a), torch_ops.session_handle(b)
     assert ha != hb and ha == torch_ops.session_handle(a) and torch_ops.session_handle(None) == 0

@@ -9,6 +9,7 @@ offending argument.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from .arrays import _check_tensor_devices, _is_torch, overlapping
@@ -20,6 +21,19 @@ from .problem import from_arrays
 from .runtime import Session, default_session
 
 
+def _routed(fn):
+    """Inside torch.compile the call goes to the custom op (torch_ops) with the arguments as
+    given: dynamo traces this wrapper, not the eager body (locals() and closures it cannot)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if _compiling():
+            return _torch_ops().call_op("paged", **dict(zip(("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
+                                                             args)), **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+@_routed
 def fmha_fwd_paged(
     q,
     k_cache,
@@ -103,8 +117,7 @@ def fmha_fwd_paged(
         bottom_right shifts the diagonal by seqlen_k - seqlen_q per sequence).
       window_size_left / window_size_right: local window sides, -1 = unbounded.
         Causal is (-1, 0). Only with a mask_type other than "none". Sides
-        (and sink_size) past every key, 2^31 and more included, are
-        windows that reach every key.
+        (and sink_size) past every key are windows that reach every key.
       sink_size: StreamingLLM sink tokens: keys t < sink_size stay visible when
         a local window has slid past them, unless beyond the row's right
         bound (ck_tile IsOutOfSinkBound). Only with a mask.
@@ -119,8 +132,7 @@ def fmha_fwd_paged(
         as is when it is float32, C-contiguous and its key axis is
         ceil(max(seqlen_k) / page_block_size) * page_block_size long in batch
         mode; otherwise copied once per call (cast / padded / regrouped).
-      logits_soft_cap: cap > 0 turns the scaled score s into cap * tanh(s /
-        cap) before bias/mask; 0 disables. Not with bias or alibi_slopes.
+      logits_soft_cap: cap > 0: s -> cap * tanh(s / cap) before the mask; not with bias or ALiBi.
       sinks: [nhead_q] float32 attention-sink logits (gpt-oss style): each joins
         its head's softmax denominator and contributes no value; LSE includes
         it, and a row without visible keys gets output 0 and LSE = sink.
@@ -141,14 +153,11 @@ def fmha_fwd_paged(
         session's compute_units (ck_tile's heuristic; splits of >= 512
         keys); 1 disables. Not with fp8 q.
       kv_rows_finite: True promises that every row of v_cache is finite
-        (PagedKVCache tracks it), which lets GPU kernels skip the stale-row
-        guard without looking at the caches (K rows never matter). None
-        (default) checks the V rows that hold no key: in host memory for
-        host caches, on the GPU (a small torch gather and one sync) for
-        torch CUDA caches; IREE DeviceArray caches are assumed unchecked
-        (guarded kernels).
-      return_lse: also return LSE (float32, natural log); -inf for rows with
-        no visible key (whose output is 0).
+        (PagedKVCache tracks it): GPU kernels then skip the stale-row guard.
+        None (default) checks the V rows that hold no key where the cache
+        lives (DeviceArray caches are not looked at: guarded kernels).
+      return_lse: also return LSE (float32, natural log; -inf, output 0, for
+        rows with no visible key).
       causal / softmax_scale / window_size: flash-attn's spellings: causal=True
         is mask_type="bottom_right" with window_size_right=0; window_size is
         (left, right), bottom-right aligned unless mask_type is given. Two
@@ -156,27 +165,18 @@ def fmha_fwd_paged(
       device: "cpu" (llvm-cpu on IREE's local-task driver), "cuda" or "hip".
       session: a `Session` to run on (default: one shared per device).
 
-    Returns out, or (out, lse); numpy arrays, or torch tensors on q's device
-    when q is a torch tensor. When that device is the session's own
-    (Session.torch_device: "cpu", or "cuda:0" for a cuda/hip session), the
-    results are made there: the kernels' outputs reach torch on the device
-    (DLPack views, or device copies where the driver does not export them)
-    and are arranged there, never copied to the host;
-    q stays there too (padded into tiles by torch), and only the small
-    tables are built on the host.
-    Non-contiguous inputs are accepted (copied).
+    Returns out, or (out, lse): numpy arrays, or torch tensors on q's device
+    when q is a torch tensor; on the session's own device (Session.
+    torch_device) they are made there, never through the host. Non-contiguous
+    inputs are accepted (copied).
 
-    Devices: numpy arrays and CPU torch tensors are accepted by every
-    session. torch tensors on any other device than the session's GPU
-    (cuda:0), including any GPU tensor for a "cpu" session, raise
-    ValueError naming the argument; so do DeviceArrays of another device.
+    Devices: numpy arrays and CPU torch tensors go to every session; a torch
+    tensor or DeviceArray on another device than the session's raises
+    ValueError naming the argument.
 
-    Inside torch.compile, torch tensors go through torch.ops.turbine_fmha
-    (turbine_fmha.torch_ops). No backward: a tensor that requires grad
-    raises ValueError unless grad mode is off.
+    Inside torch.compile the call goes through torch.ops.turbine_fmha. No
+    backward: a tensor that requires grad raises ValueError (grad mode on).
     """
-    if _compiling():
-        return _torch_ops().call_op("paged", **locals())  # locals(): the arguments, nothing else yet
     terms = conventions(scale=scale, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         mask_type=mask_type, window_size_left=window_size_left, window_size_right=window_size_right)
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,

@@ -9,13 +9,14 @@ module calling it compiles under `torch.compile(fullgraph=True)`.
 
 The scalars are fmha_fwd_paged's keyword arguments that are not arrays
 (`_SCALARS`; the schemas are made from these tables), plus `session`, an
-int handle (`session_handle`; 0 is the default session of `device`): a
-Session cannot cross an op schema. The `_out` forms write `out` in place
-(mutates_args). The ops are opaque to dynamo: their implementations are the
-eager fmha_fwd_paged / fmha_fwd_kvcache, and their fake implementations
-give the results' shapes from the Layout of the Problem code
-(`result_shapes`). The public functions route through them while
-torch.compile traces (api._compiling), so one call works compiled and eager.
+int handle (`session_handle`: the Session's id, 0 for the default
+session of `device`): a Session cannot cross an op schema. The `_out`
+forms write `out` in place (mutates_args). The ops are opaque to dynamo:
+their implementations are the eager fmha_fwd_paged / fmha_fwd_kvcache,
+and their fake implementations give the results' shapes from the Layout
+of the Problem code (`result_shapes`). The public functions route
+through them while torch.compile traces (api._compiling), so one call
+works compiled and eager.
 
 The kernels have no backward: tensors that require grad are refused by
 name while grad mode is on (`check_no_grad`), never silently detached.
@@ -26,6 +27,7 @@ requires grad.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import weakref
@@ -152,39 +154,61 @@ for _kind, _out_form in itertools.product(("paged", "kvcache"), (False, True)):
         _op.register_autograd(_no_backward, setup_context=_refuse_grad(_kind))
     _OPS[_kind, _out_form] = _op
 
+# Live sessions by handle (id), held weakly: the registry keeps none alive.
 _SESSIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
 
 
-@torch.compiler.assume_constant_result
 def session_handle(session) -> int:
-    """The int that stands for `session` in an op call (0: None, the
-    default session of the call's device). Traced, it runs once and its
-    result becomes a constant of the graph (dynamo guards on the session's
-    identity). Sessions are held weakly: the registry keeps none alive."""
+    """The int that stands for `session` in an op call: 0 for None (the
+    default session of the call's device), else id(session). Traced, this
+    runs as plain code: dynamo folds id() of an object from outside the
+    compiled region into a constant and guards on the object's identity
+    (torch 2.11 and 2.13 alike, unlike assume_constant_result, which 2.11
+    refuses a Session). Eager, the session is also recorded, so the op finds
+    it without a search; a traced call cannot record it (the registry is
+    Python state that the graph does not write), and the op finds it once
+    among the live objects (`_session`)."""
     if session is None:
         return 0
     if not isinstance(session, Session):
         raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
-    with _LOCK:
-        handle = _HANDLES.get(session)
-        if handle is None:
-            handle = _HANDLES[session] = next(_NEXT_HANDLE)
-            _SESSIONS[handle] = session
-    return handle
+    if not torch.compiler.is_compiling():  # a constant while traced: dynamo drops this branch
+        with _LOCK:
+            _SESSIONS[id(session)] = session
+    return id(session)
 
 
 def _session(handle: int) -> Session | None:
     if handle == 0:
         return None
-    session = _SESSIONS.get(handle)
+    with _LOCK:
+        session = _SESSIONS.get(handle)
     if session is None:
-        raise RuntimeError(f"session handle {handle} names no live turbine_fmha.Session (it was garbage-collected "
-                           "or never made by session_handle): keep the Session alive as long as the compiled "
+        session = _find_session(handle)
+    if session is None:
+        raise RuntimeError(f"session handle {handle} names no live turbine_fmha.Session (it was garbage-collected, "
+                           "or the int is no session_handle): keep the Session alive as long as the compiled "
                            "code that uses it")
     return session
+
+
+def _find_session(handle: int) -> Session | None:
+    """The live Session whose id is `handle`, recorded for the next call;
+    None if there is none. Ids are unique among live objects, so this is
+    the session the compiled code was called with (dynamo's identity
+    guard). A handle whose session died matches none, unless a new Session
+    took its address: compiled code then names that new session, which it
+    was called with, but a direct op call with a stale int is not told
+    apart. A search of every object (tens of ms), once per session that a
+    graph met before any eager call."""
+    for obj in gc.get_objects():
+        # The id first: isinstance may read __class__, which a proxy object can override.
+        if id(obj) == handle and isinstance(obj, Session):
+            with _LOCK:
+                _SESSIONS[handle] = obj
+            return obj
+    return None
 
 
 def check_no_grad(arrays: dict, *, grad_mode: bool | None = None) -> None:
