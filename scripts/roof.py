@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The "IREE roof" for prefill (issue 14): IREE's own attention on plain,
+static, unpaged tensors of the benchmark's prefill shape, built by the same
+compiler, timed on the device like bench.py.
+
+    python scripts/roof.py --build artifacts-cuda/roof        # here: compile
+    PYTHONPATH=<site with iree-base-runtime> python3 scripts/roof.py --run artifacts-cuda/roof   # on the GPU
+
+Shape: 32 heads (the GQA 32/8 K/V repeated to 32 heads: the roof reads
+each head's K/V once), 4096 x 4096, head dim 128, f16, NO mask. Causal
+prefill computes about half the score elements; bench.py reports it as
+TFLOP/s over the visible elements, so the roof is compared as TFLOP/s over
+all of its elements (4 FLOPs per element and head-dim lane). A masked
+roof (iree_linalg_ext.attention with a mask operand) is the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+H, S, D = 32, 4096, 128
+NAME = "roof_attention_f16"
+
+
+def mlir() -> str:
+    t = f"tensor<{H}x{S}x{D}xf16>"
+    # (d0, d1, d2, d3, d4) = (head, query, head dim, key, value dim)
+    dims = "affine_map<(d0, d1, d2, d3, d4) -> "
+    maps = [dims + r + ">" for r in ("(d0, d1, d2)", "(d0, d3, d2)", "(d0, d3, d4)", "()", "(d0, d1, d4)")]
+    return f"""func.func @{NAME}(%q: {t}, %k: {t}, %v: {t}) -> {t} {{
+  %scale = arith.constant {1 / np.sqrt(D):.8f} : f16
+  %empty = tensor.empty() : {t}
+  %out = iree_linalg_ext.attention <{{indexing_maps = [{", ".join(maps)}]}}>
+      ins(%q, %k, %v, %scale : {t}, {t}, {t}, f16) outs(%empty : {t}) {{
+    ^bb0(%s: f32):
+      iree_linalg_ext.yield %s : f32
+  }} -> {t}
+  return %out : {t}
+}}
+"""
+
+
+def build(out: Path) -> None:
+    """IREE's own configuration (turbine_fmha.tuning edits online_attention
+    only; measured here, it left this module unchanged)."""
+    from turbine_fmha import compiler, targets
+
+    out.mkdir(parents=True, exist_ok=True)
+    seconds, report, _ = compiler._compile_one(mlir(), NAME, (out / "iree.vmfb").resolve(), targets.TARGETS["cuda"])
+    report = dict(report, seconds=round(seconds, 2))
+    print(report)
+    (out / "roof.json").write_text(json.dumps(report, indent=1))
+
+
+def run(out: Path, repeat: int) -> None:
+    import iree.runtime as rt
+
+    import turbine_fmha
+    from turbine_fmha.invoke import _Loaded
+
+    session = turbine_fmha.Session("cuda", artifact_dir="/nonexistent-roof")
+    cfg, dev = session._iree_config(), session.device_of()
+    rng = np.random.default_rng(0)
+    q, k, v = (rt.asdevicearray(dev, rng.standard_normal((H, S, D), dtype=np.float32).astype(np.float16))
+               for _ in range(3))
+    flops = 4.0 * H * S * S * D
+    for tag in ("iree",):
+        path = out / f"{tag}.vmfb"
+        if not path.exists():
+            continue
+        loaded = _Loaded(type("V", (), {"name": NAME})(), rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes()),
+                         cfg, spin=True)
+        last = [None]
+
+        def call():
+            last[0] = loaded.enqueue([q, k, v], after=last[0])
+
+        for _ in range(3):
+            call()
+        last[0].wait()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            call()
+        last[0].wait()
+        ms = (time.perf_counter() - t0) * 1e3 / repeat
+        out_h = last[0].results(1)[0].to_host().astype(np.float32)
+        print(f"roof ({tag} config): {ms:.3f} ms, {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s over all "
+              f"{H}x{S}x{S} elements; output finite: {bool(np.isfinite(out_h).all())}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", type=Path)
+    ap.add_argument("--run", type=Path)
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    if args.build:
+        build(args.build)
+    if args.run:
+        run(args.run, args.repeat)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
