@@ -77,6 +77,10 @@ def test_key_sees_every_table_byte_and_no_cache_value(rng):
     assert key(kv_rows_finite=True) != base
     assert key(logits_soft_cap=1e-9) != base
     assert key(q=q[:, :, :, :32]) != base  # q's layout does
+    import ml_dtypes
+
+    fp8 = [q.astype(getattr(ml_dtypes, f)) for f in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")]
+    assert len({key(q=a) for a in fp8}) == 3  # one byte each, three formats
     assert key(block_table={"rows": bt}) is None  # not digested: validated (and refused) as usual
 
 

@@ -54,7 +54,8 @@ def _feed(h, x, layout_only: bool) -> None:
             _feed(h, item, layout_only)
         h.update(b"]")
     elif isinstance(x, np.ndarray):
-        h.update(f"ndarray{x.dtype.str}{x.shape}{x.strides};".encode())
+        # dtype.name too: the fp8 formats all have the str '|V1'.
+        h.update(f"ndarray{x.dtype.name}{x.dtype.str}{x.shape}{x.strides};".encode())
         if not layout_only:
             h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
     elif _is_torch(x):
