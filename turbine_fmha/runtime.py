@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -120,6 +121,8 @@ class Session(VariantSelection, DeviceInterop):
         self._config = None
         # One-shot calls' plans, for the next call with equal inputs.
         self.plans = PlanCache()
+        with _SHARED_LOCK:
+            LIVE_SESSIONS[id(self)] = self
         self._index: dict[str, dict] = {}
         # Variants by problem (Variant.problem as a tuple), so choosing one
         # per call does not re-parse every manifest name.
@@ -303,6 +306,9 @@ DEFAULT_COMPUTE_UNITS = {"cuda": 132, "hip": 304}
 # for the whole process: sessions share them, so a second session on the
 # same GPU neither opens another device nor loads a kernel twice.
 _SHARED_LOCK = threading.Lock()
+# Every live Session by id(), held weakly: what the torch ops' session
+# handles name (torch_ops.session_handle).
+LIVE_SESSIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _CONFIGS: dict[str, object] = {}
 _MODULES: dict[tuple, object] = {}
 

@@ -27,10 +27,7 @@ requires grad.
 
 from __future__ import annotations
 
-import gc
 import itertools
-import threading
-import weakref
 
 import torch
 
@@ -38,7 +35,7 @@ from . import api
 from .arrays import _torch_np_dtype
 from .flash_attn import conventions
 from .problem import layout_of_arrays
-from .runtime import Session
+from .runtime import LIVE_SESSIONS, Session
 
 _TENSORS = {"paged": ("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
             "kvcache": ("q", "k_cache", "v_cache", "seqlen_k")}
@@ -154,61 +151,30 @@ for _kind, _out_form in itertools.product(("paged", "kvcache"), (False, True)):
         _op.register_autograd(_no_backward, setup_context=_refuse_grad(_kind))
     _OPS[_kind, _out_form] = _op
 
-# Live sessions by handle (id), held weakly: the registry keeps none alive.
-_SESSIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
-
-
 def session_handle(session) -> int:
     """The int that stands for `session` in an op call: 0 for None (the
     default session of the call's device), else id(session). Traced, this
     runs as plain code: dynamo folds id() of an object from outside the
     compiled region into a constant and guards on the object's identity
     (torch 2.11 and 2.13 alike, unlike assume_constant_result, which 2.11
-    refuses a Session). Eager, the session is also recorded, so the op finds
-    it without a search; a traced call cannot record it (the registry is
-    Python state that the graph does not write), and the op finds it once
-    among the live objects (`_session`)."""
+    refuses a Session). Every Session is in runtime.LIVE_SESSIONS from its
+    creation, so the op finds it by that int."""
     if session is None:
         return 0
     if not isinstance(session, Session):
         raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
-    if not torch.compiler.is_compiling():  # a constant while traced: dynamo drops this branch
-        with _LOCK:
-            _SESSIONS[id(session)] = session
     return id(session)
 
 
 def _session(handle: int) -> Session | None:
     if handle == 0:
         return None
-    with _LOCK:
-        session = _SESSIONS.get(handle)
-    if session is None:
-        session = _find_session(handle)
+    session = LIVE_SESSIONS.get(handle)
     if session is None:
         raise RuntimeError(f"session handle {handle} names no live turbine_fmha.Session (it was garbage-collected, "
                            "or the int is no session_handle): keep the Session alive as long as the compiled "
                            "code that uses it")
     return session
-
-
-def _find_session(handle: int) -> Session | None:
-    """The live Session whose id is `handle`, recorded for the next call;
-    None if there is none. Ids are unique among live objects, so this is
-    the session the compiled code was called with (dynamo's identity
-    guard). A handle whose session died matches none, unless a new Session
-    took its address: compiled code then names that new session, which it
-    was called with, but a direct op call with a stale int is not told
-    apart. A search of every object (tens of ms), once per session that a
-    graph met before any eager call."""
-    for obj in gc.get_objects():
-        # The id first: isinstance may read __class__, which a proxy object can override.
-        if id(obj) == handle and isinstance(obj, Session):
-            with _LOCK:
-                _SESSIONS[handle] = obj
-            return obj
-    return None
 
 
 def check_no_grad(arrays: dict, *, grad_mode: bool | None = None) -> None:
