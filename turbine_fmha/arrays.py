@@ -24,7 +24,7 @@ def _bf16():
 def np_dtype(name: str) -> np.dtype:
     """The numpy dtype of a variant dtype name (f16, bf16, f32): the one
     table between the two; torch names its dtypes as numpy and ml_dtypes
-    do (`getattr(torch, np_dtype(name).name)`)."""
+    do (`_np_torch_dtype`)."""
     if name == "bf16":
         return _bf16()
     return np.dtype({"f16": np.float16, "f32": np.float32}[name])
@@ -121,6 +121,14 @@ class _TensorInfo:
         self.dtype = _torch_np_dtype(tensor.dtype)
 
 
+def _np_torch_dtype(dtype):
+    """The torch dtype of a numpy (or ml_dtypes) dtype: torch names its
+    dtypes as numpy and ml_dtypes do."""
+    import torch
+
+    return getattr(torch, np.dtype(dtype).name)
+
+
 def _torch_np_dtype(dtype):
     name = str(dtype).split(".")[-1]
     if name == "bfloat16":
@@ -201,8 +209,7 @@ class _Results:
         else:
             import torch
 
-            # torch names its dtypes as numpy and ml_dtypes do.
-            a = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.torch_device)
+            a = torch.empty(shape, dtype=_np_torch_dtype(dtype), device=self.torch_device)
         if fill is not None:
             a[...] = fill
         return a
@@ -243,7 +250,7 @@ class _Results:
         for a, o in zip(arrays, offsets):
             packed[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         dev = torch.from_numpy(packed).to(self.torch_device)
-        return [self.session.import_torch(dev[o:o + a.nbytes].view(getattr(torch, np.dtype(a.dtype).name))
+        return [self.session.import_torch(dev[o:o + a.nbytes].view(_np_torch_dtype(a.dtype))
                                           .view(a.shape)) for a, o in zip(arrays, offsets)]
 
     def index(self, a: np.ndarray):
@@ -255,7 +262,6 @@ class _Results:
         return torch.as_tensor(a, device=self.torch_device)
 
 
-
 def _numpy_to_torch(a: np.ndarray):
     """A CPU torch tensor over a numpy array's memory (bf16 and fp8 too)."""
     import torch
@@ -263,7 +269,7 @@ def _numpy_to_torch(a: np.ndarray):
     if a.dtype == _bf16():
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     if _fp8_name(a.dtype):
-        return torch.from_numpy(a.view(np.int8)).view(getattr(torch, str(a.dtype)))
+        return torch.from_numpy(a.view(np.int8)).view(_np_torch_dtype(a.dtype))
     return torch.from_numpy(a)
 
 

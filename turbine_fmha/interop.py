@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from .arrays import _fp8_name, _is_device_array, _is_torch, _to_numpy
+from .arrays import _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy
 
 
 class DeviceInterop:
@@ -102,8 +102,7 @@ class DeviceInterop:
         torch memory."""
         import torch
 
-        # torch names its dtypes as numpy and ml_dtypes do.
-        out = [torch.empty(tuple(a.shape), dtype=getattr(torch, np.dtype(a.dtype).name), device=self.torch_device)
+        out = [torch.empty(tuple(a.shape), dtype=_np_torch_dtype(a.dtype), device=self.torch_device)
                for a in arrays]
         if out and out[0].is_cuda:
             torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
