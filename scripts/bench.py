@@ -7,7 +7,8 @@ Shapes (GQA 32/8, hdim 128, page 16, fp16 unless --dtypes says more):
 
 Columns:
   ours_ms      device time of the kernel calls on device-resident inputs
-               (the runtime's own padding/chunking loop included): --repeat
+               (the runtime's own split count, padding and chunking; the
+               merge of split-KV partials is left to ours_run_ms): --repeat
                calls queued back to back, one wait at the end
   ours_host_copy_ms  copying that output to the host (and merging split-KV
                partials there), which the device time leaves out
@@ -46,8 +47,8 @@ import turbine_fmha  # noqa: E402
 from turbine_fmha.arrays import _bf16  # noqa: E402
 from turbine_fmha import plan as tf_plan  # noqa: E402
 from turbine_fmha.mask import MaskSpec  # noqa: E402
-from turbine_fmha.plan import KernelCall, combine_splits, kernel_steps, num_splits_heuristic, repeat_rows, split_kv  # noqa: E402
-from turbine_fmha.variants import Variant, bias_shape_of  # noqa: E402
+from turbine_fmha.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv  # noqa: E402
+from turbine_fmha.variants import Variant, bias_shape_of, online_variant  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPES = {
@@ -155,7 +156,7 @@ def feature_variant(dtype, shape, kw, tiles=None):
     ).problem
     if tiles is None:
         return problem
-    return Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1])
+    return online_variant(problem, *tiles)
 
 
 def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_splits=1, tiles=None, v_guard=False):
@@ -174,7 +175,7 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
         problem = dict(problem, sinks=False)
     nb = shape["batch"] * num_splits
     if tiles:
-        variant = Variant(**problem, formulation="online", batch_tile=tiles[0], seqlen_q_tile=tiles[1], v_guard=v_guard)
+        variant = online_variant(problem, *tiles, v_guard=v_guard)
     else:
         variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard)
     loaded = session._load(variant)
@@ -236,6 +237,15 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     return variant, ms, api_ms, len(calls), copy_ms
 
 
+def auto_splits(session, shape, inputs, kw) -> int:
+    """The split count the runtime plans for this call."""
+    _, kc, _, bt, sk = inputs
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sk, num_pages=kc.shape[0], page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype=kc.dtype,
+        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, **kw)
+    return attn._plan.splits
+
+
 def bench_planned(session, shape, inputs, dtype, repeat, kw):
     """(run_ms, one_shot_ms): PagedAttention.run() on tables planned once,
     and the one-shot fmha_fwd_paged, both on arrays where a service keeps
@@ -274,7 +284,7 @@ def bench_split_kv(session, rng, dtype, repeat, no_torch):
     for shape in SPLIT_SHAPES[session.device]:
         inputs = make_inputs(rng, shape, dtype)
         b, sk = shape["batch"], shape["seqlen_k"]
-        auto = num_splits_heuristic(b * HQ, session.compute_units, sk)
+        auto = auto_splits(session, shape, inputs, dict(mask_type="none"))
         base = float("nan") if no_torch else bench_torch(shape, inputs, dtype, session.device, repeat)[0]
         kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
         for n in sorted({1, auto, 4, 16}):
@@ -541,13 +551,16 @@ def main() -> int:
     for dtype in dtypes:
         for shape in SHAPES[args.device]:
             inputs = make_inputs(rng, shape, dtype)
-            variant, ours, ours_api, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat)
+            kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
+            splits = auto_splits(session, shape, inputs, kw)
+            variant, ours, ours_api, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat,
+                                                                  num_splits=splits)
             guarded = float("nan")
             if args.device != "cpu":
                 # The same call through the variant with the V guard (what
                 # runs when stale value rows are not finite).
-                guarded = bench_ours(session, shape, inputs, dtype, repeat, api=False, v_guard=True)[1]
-            kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
+                guarded = bench_ours(session, shape, inputs, dtype, repeat, api=False, v_guard=True,
+                                     num_splits=splits)[1]
             run_ms, one_ms = bench_planned(session, shape, inputs, dtype, repeat, kw)
             base = roof = float("nan")
             if not args.no_torch:
@@ -556,7 +569,7 @@ def main() -> int:
             row = dict(
                 name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
                 nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, mask=shape["mask"], variant=variant.name,
-                kernel_calls=ncalls, ours_ms=round(ours, 3), ours_host_copy_ms=round(copy_ms, 3),
+                kernel_calls=ncalls, num_splits=splits, ours_ms=round(ours, 3), ours_host_copy_ms=round(copy_ms, 3),
                 ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
                 ours_run_ms=round(run_ms, 3), ours_one_shot_ms=round(one_ms, 3), baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,
             )

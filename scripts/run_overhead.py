@@ -67,12 +67,23 @@ def main() -> int:
     steps = plan._device_steps(variant, _Results(session, q))
     assert len(steps) == 1
     loaded = session._load(variant)
-    fargs = [session.import_torch(x) for x in (q, k, v)] + steps[0].args
+    # The kernel alone on the plan's split rows (split-KV repeats q's rows;
+    # run() also merges the splits, which this leaves out).
+    qs = q.repeat_interleave(plan.splits, dim=0) if plan.splits > 1 else q
+    print(f"variant {variant.name}, {plan.splits} split(s)")
+    fargs = [session.import_torch(x) for x in (qs, k, v)] + steps[0].args
     sync = torch.cuda.synchronize
     r = {}
     for rep in range(1, args.pairs + 1):
         r[f"run() #{rep}"] = timed(lambda: attn.run(q, k, v), args.calls, sync)
         r[f"kernel alone #{rep}"] = timed(lambda: loaded.invoke(fargs, 2), args.calls)
+    if plan.splits > 1:
+        from turbine_fmha.plan import combine_splits
+
+        n = b * plan.splits
+        parts = [torch.randn((n, 1, hq, d), device="cuda").half()] + [torch.rand((n, hq, 1), device="cuda")
+                                                                      for _ in range(3)]
+        r["split-KV merge alone (torch)"] = timed(lambda: combine_splits(*parts, plan.splits, None), args.calls, sync)
     r.update(_staged_run(attn, q, k, v, args.calls))
     planner = turbine_fmha.PagedAttention(session)
     kw = dict(num_pages=pages, page_block_size=page, nhead_q=hq, nhead_k=hk, hdim=d, dtype="f16", kv_rows_finite=True)

@@ -16,9 +16,9 @@ import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
 from turbine_fmha.mask import MaskSpec
-from turbine_fmha.plan import MASKED_CHUNK_ROWS, KernelCall, kernel_steps, num_splits_heuristic
+from turbine_fmha.plan import MASKED_CHUNK_ROWS, KernelCall, decode_splits, kernel_steps, num_splits_heuristic
 from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.variants import Variant
+from turbine_fmha.variants import MMA_ROWS, Variant, online_variant
 
 
 def _gappy_problem(rng, dtype, sq, lens, *, max_offset, page=16):
@@ -146,3 +146,52 @@ def test_causal_chunks_skip_masked_pages():
     assert widths == [step * (i + 1) for i in range(sq // MASKED_CHUNK_ROWS)]
     c.mask = MaskSpec("bottom_right", -1, -1)  # no right edge: nothing to skip
     assert [st.args[0].shape[1] for st in kernel_steps(v, c)] == [32]
+
+
+def test_online_decode_pads_the_group_and_splits(rng):
+    """A decode in the GPU formulation runs with its GQA group zero-padded
+    to the matrix-core rows (Variant.group_rows) and its keys split so that
+    the (sequence, KV head) items fill the device (plan.decode_splits):
+    against the reference, with sinks (which the split path adds at the
+    merge) and NaN in spare pages."""
+    from conftest import CACHE
+
+    s = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
+                             formulation="online", compute_units=4)
+    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[1500, 700], nhead_q=4,
+                                   nhead_k=2, hdim=64, page=16)
+    sinks = rng.uniform(-1, 1, 4).astype(np.float32)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, sinks=sinks, return_lse=True, session=s)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=sinks)
+    _check(out, lse, ref, ref_lse, "f16")
+    used = s.last_variant
+    assert used.group_rows == MMA_ROWS and used.padded_group == MMA_ROWS
+    assert not used.sinks  # 2 (sequences) x 2 (KV heads) items < 8 per unit: split
+
+
+def test_decode_splits():
+    # H200 (132 units), 8 KV heads: b32 x 4096 keys has an item per unit
+    # already (the merge would cost more than the splits save).
+    assert decode_splits(32 * 8, 132, 4096, 32, 128) == 1
+    assert decode_splits(8 * 8, 132, 4096, 8, 128) == 8  # 64 items: 8 splits of 512 keys
+    assert decode_splits(1 * 8, 132, 32768, 1, 128) == 64  # at most MAX_SPLITS
+    assert decode_splits(4 * 8, 132, 32768, 4, 128) == 32  # batch x splits fits the largest tile
+    assert decode_splits(8, 132, 600, 1, 128) == 1  # splits keep 512 keys
+    assert decode_splits(256 * 8, 132, 4096, 256, 128) == 1  # enough items already
+    assert decode_splits(8, 132, 32768, 1, 32) == 32  # one launch of the largest tile
+    assert decode_splits(0, 132, 4096, 0, 128) == 1
+
+
+def test_group_padding_rule():
+    gqa = Variant("f16", 128, 128, 32, 8, 16, "none").problem
+    assert online_variant(gqa, 32, 1).group_rows == MMA_ROWS  # decode: 4 rows per KV head
+    assert online_variant(gqa, 1, 128).group_rows == 0  # prefill: 512 rows already
+    alibi = Variant("f16", 128, 128, 32, 8, 16, "none", bias="alibi").problem
+    assert online_variant(alibi, 8, 1).group_rows == 0  # per-head terms loop over query heads
+    assert online_variant(Variant("f16", 128, 128, 32, 32, 16, "none").problem, 8, 1).group_rows == MMA_ROWS
+    for bad in (dict(formulation="explicit"), dict(formulation="online", batch_tile=8, seqlen_q_tile=1, bias="alibi"),
+                dict(formulation="online", batch_tile=8, seqlen_q_tile=1, nhead_k=1),
+                dict(formulation="online", batch_tile=8, seqlen_q_tile=3)):
+        fields = dict(dtype="f16", hdim_q=64, hdim_v=64, nhead_q=32, nhead_k=8, page_block_size=16) | bad
+        with pytest.raises(ValueError, match="group_rows"):
+            Variant(**fields, group_rows=16)

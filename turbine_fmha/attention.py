@@ -31,6 +31,7 @@ from .modes import active_sequences, bias_rows, gappy_table, regroup
 from .plan import (
     KernelCall,
     combine_splits,
+    decode_splits,
     kernel_steps,
     num_splits_heuristic,
     repeat_rows,
@@ -40,7 +41,7 @@ from .plan import (
 )
 from .problem import Problem, layout_of_params, problem, scores, tables
 from .runtime import Session, default_session
-from .variants import bias_shape_of
+from .variants import bias_shape_of, online_variant
 
 DEVICES = ("cpu", "cuda", "hip")
 # torch GPU caches a plan keeps bound (two per layer of a large model).
@@ -152,23 +153,36 @@ class _Plan:
         self.stale = stale_rows(bt, call.seqlen_k, call.kv_shift, lay.page_block_size)
         self.splits = min(self._split_count(call), bt.shape[1])
         self.call = split_kv(call, lay.page_block_size, self.splits) if self.splits > 1 else call
-        key = dict(p.key, bias_shape=bias_shape_of(self.call.bias), sinks=p.key["sinks"] and self.splits == 1)
-        if self.rows == 1 and not s.mask.decode_needs_mask(s.alibi_slopes is not None) \
-                and session.serves(dict(key, mask="none")):
-            key["mask"] = "none"  # GPU default sets have decode tiles only without a mask
-        self.key = key
-        self.guard_free = (session._formulation_for(key) == "online" and lay.v_layout == "row"
+        self.key = self._key(self.splits, bias_shape_of(self.call.bias))
+        self.guard_free = (session._formulation_for(self.key) == "online" and lay.v_layout == "row"
                            and not lay.kv_dtype)
+
+    def _key(self, splits: int, bias_shape: str) -> dict:
+        """The variant key of the call in `splits` splits, its bias (if any)
+        of `bias_shape`."""
+        p, s = self.p, self.p.scores
+        key = dict(p.key, bias_shape=bias_shape, sinks=p.key["sinks"] and splits == 1)
+        if self.rows == 1 and not s.mask.decode_needs_mask(s.alibi_slopes is not None) \
+                and self.session.serves(dict(key, mask="none")):
+            key["mask"] = "none"  # GPU default sets have decode tiles only without a mask
+        return key
 
     def _split_count(self, call: KernelCall) -> int:
         if self.p.num_splits is not None:
             return self.p.num_splits
         if self.p.layout.static_quant:
             return 1
+        lay, keys = self.p.layout, int(call.seqlen_k.max())
+        # A split call's bias has a batch axis (split_kv).
+        split_key = self._key(2, "b" + bias_shape_of(call.bias)[1:] if call.bias is not None else "")
+        if self.rows == 1 and self.session._formulation_for(split_key) == "online" \
+                and online_variant(split_key, 1, 1).group_rows:
+            limit = self.session.decode_batch_limit(split_key)
+            return decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, call.batch, limit)
         # Work items: sequences x query heads x 64-row query blocks, as in
         # ck_tile (docs/perf-notes.md has the measurements behind it).
-        work = call.batch * self.p.layout.nhead_q * -(-self.rows // 64)
-        return num_splits_heuristic(work, self.session.compute_units, int(call.seqlen_k.max()))
+        work = call.batch * lay.nhead_q * -(-self.rows // 64)
+        return num_splits_heuristic(work, self.session.compute_units, keys)
 
     def _variant(self, rows_finite: bool):
         v = self._variants.get(rows_finite)

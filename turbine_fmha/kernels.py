@@ -102,6 +102,7 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
         v_layout=attrs["v_layout"], kv_dtype="" if q.dtype == torch.int8 else attrs["kv_dtype"],
         formulation=kernel_formulation, v_guard=bool(attrs["v_guard"]),
         batch_tile=sym["B"] if online else 0, seqlen_q_tile=sym["S"] if online else 0,
+        group_rows=attrs["group_rows"],
     )
     for arg, t in zip(sig.FWD.args, tensors):
         want = _TORCH_DTYPE[sig.fwd_types(v).dtypes[arg.dtype]]
@@ -173,7 +174,7 @@ def template_params(v: Variant) -> dict:
         dt=types.dtypes["Q"], HQ=v.nhead_q, HK=v.nhead_k, G=v.group_size, D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
         VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""), QF8=v.static_quant,
         V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
-        SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, UNBOUNDED=UNBOUNDED,
+        SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, GP=v.padded_group, UNBOUNDED=UNBOUNDED,
     )
 
 

@@ -29,6 +29,14 @@ MASKED_CHUNK_ROWS = 64
 # Split-KV: a split covers at least this many keys.
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+# A group-padded decode (Variant.group_rows) runs one 32-lane workgroup per
+# (sequence, KV head): a GPU compute unit needs about this many at once to
+# keep loads in flight. On the H200, b32 x 4096 keys (256 items) ran 0.76 ms
+# unsplit, 0.53 ms in 2 splits, 0.33 ms in 4 and 0.32 ms in 8
+# (docs/perf-notes.md). The merge of the partials, though, is ~30 torch
+# operations after the kernel (~1.7 ms on the H200), so a decode splits only
+# when it has fewer items than compute units.
+DECODE_ITEMS_PER_UNIT = 8
 # The kernel arguments each run brings, first in the signature's order; a
 # plan holds the rest.
 PER_RUN_ARGS = ("q", "k_cache", "v_cache")
@@ -214,6 +222,22 @@ def num_splits_heuristic(work_items: int, units: int, keys: int) -> int:
         eff.append(waves / math.ceil(waves))
     best = max(eff)
     return next(n for n, e in enumerate(eff, 1) if e >= 0.85 * best)
+
+
+def decode_splits(work_items: int, units: int, keys: int, batch: int, max_batch: int) -> int:
+    """Splits for a group-padded decode of `work_items` (sequence, KV head)
+    pairs: none with at least one item per compute unit, else enough for
+    DECODE_ITEMS_PER_UNIT items per unit, each
+    split at least MIN_KEYS_PER_SPLIT keys long, and no more than one launch
+    of the largest batch tile `max_batch` holds (batch x splits sequences)
+    where the batch alone fits one."""
+    if work_items <= 0 or work_items >= units:
+        return 1
+    target = DECODE_ITEMS_PER_UNIT * units
+    n = max(1, min(MAX_SPLITS, keys // MIN_KEYS_PER_SPLIT, -(-target // work_items)))
+    if batch * n > max_batch:
+        n = max(1, max_batch // batch)
+    return n
 
 
 def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:

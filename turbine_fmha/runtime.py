@@ -43,6 +43,14 @@ from .paths import (  # noqa: F401
 ENV_MANIFEST_SHA256 = "TURBINE_FMHA_MANIFEST_SHA256"
 # "1" keeps IREE's stream-ordered CUDA allocations (see _shared_config).
 ENV_CUDA_ASYNC_ALLOCATIONS = "TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS"
+# IREE allocator specs layered over the CUDA device's allocator, comma
+# separated ("" for none). The default pools device buffers freed by calls
+# (results, transients) for reuse: plain CUDA allocations (which DLPack
+# needs) are a synchronous cuMemAlloc and a device-synchronizing cuMemFree
+# each, and a decode call's kernels waited for them (docs/perf-notes.md).
+# Buffers up to 256 MiB are pooled, at most 1 GiB and 64 buffers retained.
+ENV_CUDA_ALLOCATORS = "TURBINE_FMHA_CUDA_ALLOCATORS"
+DEFAULT_CUDA_ALLOCATORS = "caching:device_local=256mib;1gib;64"
 
 
 def runtime_version() -> str:
@@ -328,7 +336,17 @@ def _shared_config(driver: str):
                 # Process-wide, like every IREE flag: it applies to CUDA
                 # devices created after it.
                 rt.flags.parse_flags("--cuda_async_allocations=false")
-            config = _CONFIGS[driver] = rt.Config(driver)
+            specs = os.environ.get(ENV_CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATORS) if driver == "cuda" else ""
+            specs = [s for s in specs.split(",") if s]
+            if specs:
+                try:
+                    device = rt.get_driver(driver).create_device_by_uri(driver, allocators=specs)
+                except (RuntimeError, ValueError) as e:
+                    raise RuntimeError(f"cannot create the {driver} device with allocators {specs} "
+                                       f"(${ENV_CUDA_ALLOCATORS}): {e}") from e
+                config = _CONFIGS[driver] = rt.Config(device=device)
+            else:
+                config = _CONFIGS[driver] = rt.Config(driver)
         return config
 
 

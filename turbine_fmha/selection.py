@@ -4,7 +4,7 @@ serves a call."""
 from __future__ import annotations
 
 from .artifacts import ArtifactError
-from .variants import GPU_DECODE_TILE, GPU_PREFILL_TILE, Variant, online_unsupported
+from .variants import GPU_DECODE_TILES, GPU_PREFILL_TILE, Variant, online_unsupported, online_variant
 
 
 def _problem_key(problem: dict) -> tuple:
@@ -36,7 +36,7 @@ class VariantSelection:
         if self.compile_missing:
             # The default variant for the call competes with the built ones
             # (and is compiled if chosen).
-            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite)
+            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite, batch)
             if preferred not in cands:
                 cands.append(preferred)
         if not cands:
@@ -54,6 +54,15 @@ class VariantSelection:
 
         return min(cands, key=cost)
 
+    def decode_batch_limit(self, problem: dict) -> int:
+        """The largest decode batch tile select() can use for `problem`: a
+        split-KV decode is kept within one launch of it (0: no such tile)."""
+        if self.compile_missing:
+            return GPU_DECODE_TILES[-1][0]
+        formulation = self._formulation_for(problem)
+        return max((v.batch_tile for v in self._by_problem.get(_problem_key(problem), [])
+                    if v.formulation == formulation and v.seqlen_q_tile == 1), default=0)
+
     def serves(self, problem: dict) -> bool:
         """Whether select() can find (or, with compile_missing, build) a
         variant for `problem`."""
@@ -69,9 +78,12 @@ class VariantSelection:
             return "explicit"
         return self.formulation
 
-    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False) -> Variant:
+    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False,
+                             batch: int = 1) -> Variant:
         if self._formulation_for(problem) == "explicit":
             return Variant(**problem)
-        bt, mq = GPU_DECODE_TILE if seqlen_q == 1 else GPU_PREFILL_TILE
+        # Decode: the smallest batch tile that holds the batch in one launch.
+        bt, mq = next((t for t in GPU_DECODE_TILES if t[0] >= batch), GPU_DECODE_TILES[-1]) \
+            if seqlen_q == 1 else GPU_PREFILL_TILE
         guard = not (stale_rows_finite and problem["v_layout"] == "row")
-        return Variant(**problem, formulation="online", batch_tile=bt, seqlen_q_tile=mq, v_guard=guard)
+        return online_variant(problem, bt, mq, v_guard=guard)

@@ -93,7 +93,7 @@ FWD = Kernel(
         Tensor("sinks", ("HQ",), "f32", when="sinks"),
     ),
     attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("v_layout", "str"), Attr("kv_dtype", "str"),
-           Attr("v_guard", "int")),
+           Attr("v_guard", "int"), Attr("group_rows", "int")),
     results=(
         Tensor("out", ("B", "S", "HQ", "DV"), "Q"),
         Tensor("lse", _STATS, "f32"),
@@ -163,7 +163,8 @@ def fwd_attrs(v) -> dict:
     names the fp8 format of K/V, and of Q and the output too under static
     quantization (q is then i8)."""
     return dict(mask=v.mask, softcap=int(v.softcap), v_layout=v.v_layout,
-                kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard))
+                kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard),
+                group_rows=v.group_rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from .append_kernel import APPEND_DTYPES, ROTARY_MODES, AppendKernel  # noqa: F401 (re-exported)
 from .naming import NameCodec, Named, enum, number
 from .signature import KERNEL_ABI  # noqa: F401 (re-exported)
 
@@ -60,7 +61,7 @@ class Variant(Named):
     # The metadata writes the name (naming.NameCodec): pagedkv_fwd_<dtype>
     # _d<hdim_q>x<hdim_v>_h<nhead_q>x<nhead_k>_pg<page>[_vcol][_kv<fp8>]
     # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
-    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard].
+    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>].
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
     hdim_q: int = dataclasses.field(metadata=number(1, "_d"))
     hdim_v: int = dataclasses.field(metadata=number(2, "x"))
@@ -92,6 +93,14 @@ class Variant(Named):
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
     batch_tile: int = dataclasses.field(default=0, metadata=number(15, "_b", omit=0))
     seqlen_q_tile: int = dataclasses.field(default=0, metadata=number(16, "_q", omit=0))
+    # Query rows per KV head the attention op computes (online only; 0 = the
+    # GQA group x seqlen_q_tile, unpadded): the group is zero-padded up to
+    # group_rows / seqlen_q_tile heads. IREE's GPU configuration uses no
+    # matrix cores when those rows are at most 4 (a decode with a group of
+    # 4), and mma.sync / MFMA tiles are 16 rows; padded, a decode reads each
+    # K/V page once per KV head instead of once per query head
+    # (docs/perf-notes.md).
+    group_rows: int = dataclasses.field(default=0, metadata=number(18, "_m", omit=0))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -133,6 +142,11 @@ class Variant(Named):
                 raise ValueError(f"the online formulation cannot serve this variant: {reason}")
         if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
             raise ValueError("explicit variants have dynamic batch and query rows")
+        if self.group_rows and (self.formulation != "online" or self.per_head_terms
+                                or self.group_rows % self.seqlen_q_tile
+                                or self.group_rows < self.group_size * self.seqlen_q_tile):
+            raise ValueError("group_rows pads an online variant without per-head score terms: a multiple of "
+                             "seqlen_q_tile, at least the GQA group x seqlen_q_tile")
         if not self.v_guard and (self.formulation != "online" or self.kv_dtype or self.v_layout != "row"):
             raise ValueError("only online variants with a row-major fp16/bf16/f32 V cache can drop the V guard")
 
@@ -149,6 +163,11 @@ class Variant(Named):
     @property
     def group_size(self) -> int:
         return self.nhead_q // self.nhead_k
+
+    @property
+    def padded_group(self) -> int:
+        """Query heads per KV head the attention op computes (group_rows)."""
+        return self.group_rows // self.seqlen_q_tile if self.group_rows else self.group_size
 
     @property
     def problem(self) -> dict:
@@ -217,15 +236,34 @@ DEFAULT_HEADS = ((32, 8), (8, 8))
 DEFAULT_PAGES = (1, 16, 32, 64, 128)
 DEFAULT_HDIMS = (64, 128)
 
-# GPU tiles (batch tile, query rows): decode at 8 and 32 sequences per call;
+# GPU tiles (batch tile, query rows): decode at 8 to 128 sequences per call
+# (split-KV's partial calls count as sequences: batch 32 in 4 splits is one
+# launch of the 128 tile);
 # prefill in 128-row chunks for short prompts and 4096-row chunks for long
 # ones (one launch instead of 32: 21 ms vs 35 ms for a 4096 causal prefill
 # on the H200, docs/perf-notes.md). The runtime picks the least padding,
 # then the fewest launches.
-GPU_DECODE_TILES = ((8, 1), (32, 1))
+GPU_DECODE_TILES = ((8, 1), (32, 1), (64, 1), (128, 1))
 GPU_PREFILL_TILES = ((1, 128), (1, 4096))
 GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
+
+
+# Rows of a matrix-core tile (mma.sync m16n8k16, MFMA 16x16xK): see
+# Variant.group_rows.
+MMA_ROWS = 16
+
+
+def online_variant(problem: dict, batch_tile: int, seqlen_q_tile: int, **fields) -> Variant:
+    """The online variant serving `problem` with these tiles: its GQA group
+    zero-padded to MMA_ROWS query rows per KV head where the group's rows
+    are fewer (a decode) and the variant has no per-head score terms
+    (Variant.group_rows)."""
+    group = problem["nhead_q"] // problem["nhead_k"]
+    per_head = problem["bias"] == "alibi" or (problem["bias"] == "elementwise" and problem["bias_shape"][1] == "h")
+    pad = group * seqlen_q_tile < MMA_ROWS and MMA_ROWS % seqlen_q_tile == 0 and not per_head
+    return Variant(**problem, formulation="online", batch_tile=batch_tile, seqlen_q_tile=seqlen_q_tile,
+                   group_rows=MMA_ROWS if pad else 0, **fields)
 
 
 # Score-side features in the default sets (one feature at a time, plus
@@ -241,11 +279,12 @@ FEATURES = (
 )
 
 
-def _feature_variants(dtype, page, mask, **tiles) -> list[Variant]:
-    return [
-        Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks, **tiles)
-        for bias, shape, softcap, sinks in FEATURES
-    ]
+def _feature_variants(dtype, page, mask, tiles=None) -> list[Variant]:
+    """Each of FEATURES for GQA 32/8, hdim 128: explicit variants, or online
+    ones with `tiles` (batch tile, query rows)."""
+    out = [Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks)
+           for bias, shape, softcap, sinks in FEATURES]
+    return [online_variant(v.problem, *tiles) for v in out] if tiles else out
 
 
 def host_default_set() -> list[Variant]:
@@ -292,13 +331,10 @@ def gpu_default_set() -> list[Variant]:
     out = []
     for dtype in ("f16", "bf16"):
         out += plain_variants("online", (dtype,), ((128, 128),), ((32, 8),), (16, 64))
-        bt, mq = GPU_DECODE_TILE
-        out += _feature_variants(dtype, 16, "none", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
-        bt, mq = GPU_PREFILL_TILE
-        out += _feature_variants(dtype, 16, "bottom_right", formulation="online", batch_tile=bt, seqlen_q_tile=mq)
-        for (bt, mq), mask in ((GPU_DECODE_TILE, "none"), (GPU_PREFILL_TILE, "bottom_right")):
-            out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col", formulation="online",
-                               batch_tile=bt, seqlen_q_tile=mq))
+        out += _feature_variants(dtype, 16, "none", GPU_DECODE_TILE)
+        out += _feature_variants(dtype, 16, "bottom_right", GPU_PREFILL_TILE)
+        for tiles, mask in ((GPU_DECODE_TILE, "none"), (GPU_PREFILL_TILE, "bottom_right")):
+            out.append(online_variant(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col").problem, *tiles))
             # fp8 caches run the explicit formulation on GPUs (see
             # online_unsupported); it compiles for every GPU target.
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
@@ -328,7 +364,7 @@ def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Varian
     for dtype, (hq, hv), (nq, nk), page in itertools.product(dtypes, hdims, heads, pages):
         shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, nhead_q=nq, nhead_k=nk, page_block_size=page)
         if formulation == "online" and not online_unsupported(Variant(**shape).problem):
-            out += [Variant(**shape, mask=m, formulation="online", batch_tile=bt, seqlen_q_tile=mq) for (bt, mq), m in tiles]
+            out += [online_variant(Variant(**shape, mask=m).problem, *t) for t, m in tiles]
         else:
             out += [Variant(**shape, mask=m) for m in MASKS]
     return out
@@ -341,48 +377,6 @@ def target_unsupported(variant: Variant, target_kind: str) -> str | None:
     is where a target-specific exclusion belongs.
     """
     return None
-
-
-# i8: the bytes of an fp8 cache of any format (a scatter copies bits).
-APPEND_DTYPES = ("f16", "bf16", "f32", "i8")
-# ck_tile appendkv's rotary embedding of the new K rows (and of q):
-# "interleaved" rotates pairs (0, 1), (2, 3), ... (GPT-J), "half" pairs
-# (i, i + rotary_dim / 2) (GPT-NeoX).
-ROTARY_MODES = ("none", "interleaved", "half")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class AppendKernel(Named):
-    """The in-place append of tokens' K/V into a page pool (PagedKVCache on
-    a device, turbine_fmha.reshape_and_cache). Named and built like the
-    attention variants. With `rotary`, it also rotates the new K rows and a
-    q (signature.APPEND_ROTARY)."""
-
-    # The metadata writes the name: pagedkv_append_<dtype>_h<nhead_k>
-    # _d<hdim>x<hdim_v>_pg<page>[_ropei|_ropeh].
-    dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in APPEND_DTYPES}))
-    nhead_k: int = dataclasses.field(metadata=number(1, "_h"))
-    hdim: int = dataclasses.field(metadata=number(2, "_d"))
-    hdim_v: int = dataclasses.field(metadata=number(3, "x"))
-    page_block_size: int = dataclasses.field(metadata=number(4, "_pg"))
-    rotary: str = dataclasses.field(default="none", metadata=enum(5, {"none": "", "interleaved": "_ropei",
-                                                                       "half": "_ropeh"}))
-
-    def __post_init__(self):
-        if self.dtype not in APPEND_DTYPES:
-            raise ValueError(f"append kernels take f16/bf16/f32/i8 caches, got dtype={self.dtype!r}")
-        for f in ("nhead_k", "hdim", "hdim_v", "page_block_size"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
-        if self.rotary not in ROTARY_MODES:
-            raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {self.rotary!r}")
-        if self.rotary != "none" and self.dtype == "i8":
-            # fp8 rows are copied as bits: rotating them would need the fp8 codec.
-            raise ValueError("rotary embedding needs an f16/bf16/f32 cache, got dtype='i8' (fp8 bytes)")
-
-
-
-AppendKernel.names = NameCodec(AppendKernel, "pagedkv_append")
 
 
 def parse_kernel(name: str):
