@@ -69,7 +69,8 @@ def _calls(shape: ModelShape, online: bool):
     automatic), prefill short and long; no mask and causal (top-left too
     where the formulation serves it)."""
     masks = ("none", "bottom_right") if online else ("none", "bottom_right", "top_left")
-    for batch, rows, keys in ((1, 1, 3000), (8, 1, 700), (32, 1, 100), (40, 1, 50), (1, 100, 300), (1, 4096, 4096)):
+    for batch, rows, keys in ((1, 1, 3000), (8, 1, 700), (32, 1, 100), (40, 1, 50), (64, 1, 50), (128, 1, 30),
+                              (1, 100, 300), (1, 4096, 4096)):
         for mask in masks:
             for splits in ((None, 3) if rows == 1 else (None,)):
                 yield batch, rows, keys, mask, splits

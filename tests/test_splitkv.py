@@ -157,7 +157,7 @@ def test_online_decode_pads_the_group_and_splits(rng):
     from conftest import CACHE
 
     s = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
-                             formulation="online", compute_units=4)
+                             formulation="online", compute_units=8)
     q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[1500, 700], nhead_q=4,
                                    nhead_k=2, hdim=64, page=16)
     sinks = rng.uniform(-1, 1, 4).astype(np.float32)
@@ -166,7 +166,7 @@ def test_online_decode_pads_the_group_and_splits(rng):
     _check(out, lse, ref, ref_lse, "f16")
     used = s.last_variant
     assert used.group_rows == MMA_ROWS and used.padded_group == MMA_ROWS
-    assert not used.sinks  # 2 (sequences) x 2 (KV heads) items < 8 per unit: split
+    assert not used.sinks  # 2 (sequences) x 2 (KV heads) items, fewer than 8 units: split
 
 
 def test_decode_splits():
