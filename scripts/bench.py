@@ -159,25 +159,29 @@ def feature_variant(dtype, shape, kw, tiles=None):
     return online_variant(problem, *tiles)
 
 
-def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_splits=1, tiles=None, v_guard=False):
+def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_splits=1, tiles=None, v_guard=False,
+               merge=True):
     """Times the kernel calls on device-resident inputs. num_splits > 1 runs
-    split-KV (partials copied back and merged on the host, as the API does);
-    tiles forces an online variant's (batch tile, query rows). The inputs
-    are finite, so like the API it runs GPU variants without the V guard
-    unless v_guard is set."""
+    split-KV: merged inside the module where the session has such a variant
+    and `merge` allows it, else with the partials copied back and merged on
+    the host, as the API does; tiles forces an online variant's (batch
+    tile, query rows). The inputs are finite, so like the API it runs GPU
+    variants without the V guard unless v_guard is set."""
     import iree.runtime as rt
 
     q, kc, vc, bt, sk = inputs
     if kw is None:
         kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
     problem = feature_variant(dtype, shape, kw)
-    if num_splits > 1:
+    merged = merge and num_splits > 1 and shape["seqlen_q"] == 1 and num_splits in session.merge_splits_for(problem)
+    if num_splits > 1 and not merged:
         problem = dict(problem, sinks=False)
     nb = shape["batch"] * num_splits
     if tiles:
         variant = online_variant(problem, *tiles, v_guard=v_guard)
     else:
-        variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard)
+        variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard,
+                                 merge=num_splits if merged else 0)
     loaded = session._load(variant)
     device = session._iree_config().device
     slopes = kw.get("alibi_slopes")
@@ -193,8 +197,8 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     )
     qq = q
     if num_splits > 1:
-        call = split_kv(call, PAGE, num_splits)
-        qq = repeat_rows(q, num_splits)
+        call = split_kv(call, PAGE, num_splits, merged)
+        qq = q if merged else repeat_rows(q, num_splits)
     kc_d = rt.asdevicearray(device, kc)
     vc_d = rt.asdevicearray(device, vc)
     calls = []
@@ -218,7 +222,7 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
 
     def to_host():
         res = [c.results(4) for c in last]
-        if num_splits == 1:
+        if num_splits == 1 or merged:
             for r in res:
                 r[0].to_host()
             return
@@ -287,19 +291,24 @@ def bench_split_kv(session, rng, dtype, repeat, no_torch):
         auto = auto_splits(session, shape, inputs, dict(mask_type="none"))
         base = float("nan") if no_torch else bench_torch(shape, inputs, dtype, session.device, repeat)[0]
         kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
-        for n in sorted({1, auto, 4, 16}):
-            _, ms, _, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat, api=False, num_splits=n)
+        for n, merge in sorted({(1, True), (auto, True), (4, True), (16, True), (auto, False)}):
+            if n == 1 and not merge:
+                continue
+            variant, ms, _, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat, api=False,
+                                                         num_splits=n, merge=merge)
             row = dict(table="split_kv", device=session.device, dtype=dtype, batch=b, seqlen_k=sk, num_splits=n,
+                       merged_in_module=bool(variant.merge_splits), variant=variant.name,
                        auto=n == auto, kernel_calls=ncalls, ours_ms=round(ms, 3), host_copy_merge_ms=round(copy_ms, 3),
                        gbs=round(kv_bytes / (ms * 1e-3) / 1e9, 1),
                        baseline_ms=round(base, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print("| shape | num_splits | device ms | KV GB/s | partials to host + merge ms | torch gather+SDPA ms |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | num_splits | merged | device ms | KV GB/s | output (partials) to host + merge ms | torch gather+SDPA ms |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| decode b{r['batch']} sk{r['seqlen_k']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} | "
+              f"{'module' if r['merged_in_module'] else ('host' if r['num_splits'] > 1 else '-')} | "
               f"{r['ours_ms']:.2f} | {r['gbs']:.0f} | {r['host_copy_merge_ms']:.2f} | {r['baseline_ms']:.2f} |")
     return rows
 
@@ -440,7 +449,10 @@ def verify(session, rng, dtypes):
     feats["fp8 KV (e4m3fn)"] = "fp8"
     feats["fp8 static quant (e4m3fn)"] = "squant"
     # Split-KV: forced and automatic, long and empty sequences.
+    # 5: merged on the host; 4 (f16, bf16): merged in the module.
     cases.append(("f16", 1, [3000, 17, 0, 1500], dict(mask_type="none", num_splits=5), "split-kv 5"))
+    for dtype in dtypes:
+        cases.append((dtype, 1, [3000, 17, 0, 1500], dict(mask_type="none", num_splits=4), "split-kv 4"))
     cases.append(("f16", 1, [20000], dict(mask_type="bottom_right", window_size_right=0), "split-kv auto"))
     for fname, make in feats.items():
         cases.append(("f16", 1, [300, 17, 1, 0, 45], dict(mask_type="none", _feature=make), fname))

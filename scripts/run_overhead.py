@@ -67,9 +67,11 @@ def main() -> int:
     steps = plan._device_steps(variant, _Results(session, q))
     assert len(steps) == 1
     loaded = session._load(variant)
-    # The kernel alone on the plan's split rows (split-KV repeats q's rows;
-    # run() also merges the splits, which this leaves out).
-    qs = q.repeat_interleave(plan.splits, dim=0) if plan.splits > 1 else q
+    # The kernel alone on the plan's split rows (split-KV merged on the host
+    # repeats q's rows, and run() also merges the splits, which this leaves
+    # out; a variant that merges them itself takes q as it is).
+    host_merge = plan.splits > 1 and not variant.merge_splits
+    qs = q.repeat_interleave(plan.splits, dim=0) if host_merge else q
     print(f"variant {variant.name}, {plan.splits} split(s)")
     fargs = [session.import_torch(x) for x in (qs, k, v)] + steps[0].args
     sync = torch.cuda.synchronize
@@ -77,7 +79,7 @@ def main() -> int:
     for rep in range(1, args.pairs + 1):
         r[f"run() #{rep}"] = timed(lambda: attn.run(q, k, v), args.calls, sync)
         r[f"kernel alone #{rep}"] = timed(lambda: loaded.invoke(fargs, 2), args.calls)
-    if plan.splits > 1:
+    if host_merge:
         from turbine_fmha.plan import combine_splits
 
         n = b * plan.splits

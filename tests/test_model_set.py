@@ -10,7 +10,7 @@ import pytest
 
 import turbine_fmha
 from turbine_fmha.model_set import ModelShape, model_variants, read_config, shape_from_config
-from turbine_fmha.variants import KERNEL_ABI, AppendKernel, Variant
+from turbine_fmha.variants import KERNEL_ABI, MERGED_DECODE_TILES, AppendKernel, Variant
 
 LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, torch_dtype="bfloat16")
 
@@ -74,6 +74,10 @@ def _calls(shape: ModelShape, online: bool):
         for mask in masks:
             for splits in ((None, 3) if rows == 1 else (None,)):
                 yield batch, rows, keys, mask, splits
+    # Decodes whose splits a variant merges in the module: each (tile, count)
+    # filled exactly by batch x count entries.
+    for tile, n in MERGED_DECODE_TILES if online else ():
+        yield tile // n, 1, 4096, "none", n
 
 
 def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:

@@ -18,7 +18,7 @@ from test_modes import _check, _gappy_table, _pool
 from turbine_fmha.mask import MaskSpec
 from turbine_fmha.plan import MASKED_CHUNK_ROWS, KernelCall, decode_splits, kernel_steps, num_splits_heuristic
 from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.variants import MMA_ROWS, Variant, online_variant
+from turbine_fmha.variants import MERGE_SPLITS, MMA_ROWS, Variant, online_variant
 
 
 def _gappy_problem(rng, dtype, sq, lens, *, max_offset, page=16):
@@ -50,9 +50,12 @@ def test_split_kv_decode(sessions, rng, formulation, num_splits):
                                           session=sessions[formulation], **kw)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
     _check(out, lse, ref, ref_lse, "f16")
-    # The partial calls run without sinks (the merge adds them once), over
-    # num_splits entries per sequence.
-    assert not sessions[formulation].last_variant.sinks
+    # The partial calls run without sinks (the host merge adds them once),
+    # unless the variant merges the splits itself (online, a split count of
+    # MERGE_SPLITS): then they are its.
+    used = sessions[formulation].last_variant
+    assert used.merge_splits == (num_splits if formulation == "online" and num_splits in MERGE_SPLITS else 0)
+    assert used.sinks == bool(used.merge_splits)
 
 
 @pytest.mark.parametrize("formulation", ["explicit", "online"])
@@ -151,9 +154,9 @@ def test_causal_chunks_skip_masked_pages():
 def test_online_decode_pads_the_group_and_splits(rng):
     """A decode in the GPU formulation runs with its GQA group zero-padded
     to the matrix-core rows (Variant.group_rows) and its keys split so that
-    the (sequence, KV head) items fill the device (plan.decode_splits):
-    against the reference, with sinks (which the split path adds at the
-    merge) and NaN in spare pages."""
+    the (sequence, KV head) items fill the device
+    (plan.merged_decode_splits): against the reference, with sinks and NaN
+    in spare pages."""
     from conftest import CACHE
 
     s = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
@@ -166,7 +169,9 @@ def test_online_decode_pads_the_group_and_splits(rng):
     _check(out, lse, ref, ref_lse, "f16")
     used = s.last_variant
     assert used.group_rows == MMA_ROWS and used.padded_group == MMA_ROWS
-    assert not used.sinks  # 2 (sequences) x 2 (KV heads) items, fewer than 8 units: split
+    # 2 (sequences) x 2 (KV heads) items on 8 units: split, 1500 keys allow
+    # 2 splits of 512 keys, merged in the module with the sinks.
+    assert used.merge_splits == 2 and used.sinks
 
 
 def test_decode_splits():

@@ -33,6 +33,7 @@ from .plan import (
     combine_splits,
     decode_splits,
     kernel_steps,
+    merged_decode_splits,
     num_splits_heuristic,
     repeat_rows,
     split_kv,
@@ -40,24 +41,11 @@ from .plan import (
     rows_finite,
 )
 from .problem import Problem, layout_of_params, problem, scores, tables
-from .runtime import Session, default_session
+from .runtime import DEVICES, Session, resolve_session  # noqa: F401 (DEVICES re-exported)
 from .variants import bias_shape_of, online_variant
 
-DEVICES = ("cpu", "cuda", "hip")
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
-
-
-def resolve_session(session, device: str) -> Session:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if session is None:
-        return default_session(device)
-    if not isinstance(session, Session):
-        raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
-    if session.device != device:
-        raise ValueError(f"session is for device {session.device!r}, call asked for {device!r}")
-    return session
 
 
 class PagedAttention:
@@ -151,43 +139,54 @@ class _Plan:
             mask=s.mask, alibi_slopes=None if s.alibi_slopes is None else np.ascontiguousarray(
                 s.alibi_slopes[self.active], np.float32), bias=bias, sinks=s.sinks)
         self.stale = stale_rows(bt, call.seqlen_k, call.kv_shift, lay.page_block_size)
-        self.splits = min(self._split_count(call), bt.shape[1])
-        self.call = split_kv(call, lay.page_block_size, self.splits) if self.splits > 1 else call
-        self.key = self._key(self.splits, bias_shape_of(self.call.bias))
+        # merge: the split count that a variant merges in the module (0: the
+        # partials are merged here, combine_splits).
+        self.splits, self.merge = self._split_count(call)
+        self.splits = min(self.splits, bt.shape[1])
+        self.merge = self.merge if self.merge == self.splits else 0
+        self.call = split_kv(call, lay.page_block_size, self.splits, self.merge > 1) if self.splits > 1 else call
+        self.key = self._key(self.splits, bias_shape_of(self.call.bias), self.merge > 1)
         self.guard_free = (session._formulation_for(self.key) == "online" and lay.v_layout == "row"
                            and not lay.kv_dtype)
 
-    def _key(self, splits: int, bias_shape: str) -> dict:
-        """The variant key of the call in `splits` splits, its bias (if any)
-        of `bias_shape`."""
+    def _key(self, splits: int, bias_shape: str, merged: bool = False) -> dict:
+        """The variant key of the call in `splits` splits (`merged` in the
+        module, which adds the sinks), its bias (if any) of `bias_shape`."""
         p, s = self.p, self.p.scores
-        key = dict(p.key, bias_shape=bias_shape, sinks=p.key["sinks"] and splits == 1)
+        key = dict(p.key, bias_shape=bias_shape, sinks=p.key["sinks"] and (splits == 1 or merged))
         if self.rows == 1 and not s.mask.decode_needs_mask(s.alibi_slopes is not None) \
                 and self.session.serves(dict(key, mask="none")):
             key["mask"] = "none"  # GPU default sets have decode tiles only without a mask
         return key
 
-    def _split_count(self, call: KernelCall) -> int:
-        if self.p.num_splits is not None:
-            return self.p.num_splits
-        if self.p.layout.static_quant:
-            return 1
+    def _split_count(self, call: KernelCall) -> tuple[int, int]:
+        """(splits, the count a decode variant could merge in the module or 0)."""
         lay, keys = self.p.layout, int(call.seqlen_k.max())
         # A split call's bias has a batch axis (split_kv).
-        split_key = self._key(2, "b" + bias_shape_of(call.bias)[1:] if call.bias is not None else "")
+        split_shape = "b" + bias_shape_of(call.bias)[1:] if call.bias is not None else ""
+        split_key = self._key(2, split_shape)
+        merges = self.session.merge_splits_for(self._key(2, split_shape, True)) if self.rows == 1 else ()
+        if self.p.num_splits is not None:
+            return self.p.num_splits, self.p.num_splits if self.p.num_splits in merges else 0
+        if lay.static_quant:
+            return 1, 0
         if self.rows == 1 and self.session._formulation_for(split_key) == "online" \
                 and online_variant(split_key, 1, 1).group_rows:
+            merge = merged_decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, merges)
+            if merge > 1:
+                return merge, merge
             limit = self.session.decode_batch_limit(split_key)
-            return decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, call.batch, limit)
+            return decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, call.batch, limit), 0
         # Work items: sequences x query heads x 64-row query blocks, as in
         # ck_tile (docs/perf-notes.md has the measurements behind it).
         work = call.batch * lay.nhead_q * -(-self.rows // 64)
-        return num_splits_heuristic(work, self.session.compute_units, keys)
+        return num_splits_heuristic(work, self.session.compute_units, keys), 0
 
     def _variant(self, rows_finite: bool):
         v = self._variants.get(rows_finite)
         if v is None:
-            v = self._variants[rows_finite] = self.session.select(self.key, self.rows, self.call.batch, rows_finite)
+            v = self._variants[rows_finite] = self.session.select(self.key, self.rows, self.call.batch, rows_finite,
+                                                                  self.merge)
         return v
 
     def _device_steps(self, variant, results) -> list:
@@ -308,7 +307,7 @@ class _Plan:
     def _direct(self, steps) -> bool:
         """Whether one kernel call's results are exactly the outputs (no
         regrouping, splitting, chunking or padding)."""
-        if len(steps) != 1 or self.p.tables.group or self.splits > 1 or self.p.layout.static_quant:
+        if len(steps) != 1 or self.p.tables.group or self.splits > max(1, self.merge) or self.p.layout.static_quant:
             return False
         st = steps[0]
         return (st.b0, st.b1, st.s, st.e) == (0, self.call.batch, 0, self.rows) and \
@@ -330,7 +329,8 @@ class _Plan:
         qb = self._batch_q(q, results)
         if lay.static_quant:
             qb = qb.view(np.int8)  # fp8 travels as i8
-        if self.splits > 1:
+        split = self.splits > max(1, self.merge)  # partials merged here, not in the kernel
+        if split:
             qb = repeat_rows(qb, self.splits)
         n, rows = self.call.batch, self.rows
         if t.group:
@@ -339,12 +339,12 @@ class _Plan:
         else:
             out_b, lse_b = out, lse
         dst = [out_b.view(np.int8) if lay.static_quant else out_b, lse_b]
-        if self.splits > 1:
+        if split:
             dst = [results.empty((n, rows, lay.nhead_q, lay.hdim_v), lay.q_dtype)]
             dst += [results.empty((n, lay.nhead_q, rows), np.float32) for _ in range(3)]
         for st in steps:
             st.place(dst, self._call(variant, st, qb, k_cache, v_cache, results, stats=len(dst) > 2))
-        if self.splits > 1:
+        if split:
             o_c, l_c = combine_splits(*dst, self.splits, self.p.scores.sinks)
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c

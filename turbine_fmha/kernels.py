@@ -102,8 +102,11 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
         v_layout=attrs["v_layout"], kv_dtype="" if q.dtype == torch.int8 else attrs["kv_dtype"],
         formulation=kernel_formulation, v_guard=bool(attrs["v_guard"]),
         batch_tile=sym["B"] if online else 0, seqlen_q_tile=sym["S"] if online else 0,
-        group_rows=attrs["group_rows"],
+        group_rows=attrs["group_rows"], merge_splits=attrs["merge_splits"],
     )
+    torch._check(sym["B"] == sym["BO"] * max(1, v.merge_splits),
+                 lambda: f"q has {sym['BO']} sequences; the block table must have {max(1, v.merge_splits)} "
+                         f"entries per sequence, got {sym['B']}")
     for arg, t in zip(sig.FWD.args, tensors):
         want = _TORCH_DTYPE[sig.fwd_types(v).dtypes[arg.dtype]]
         torch._check(t is None or t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
@@ -175,6 +178,7 @@ def template_params(v: Variant) -> dict:
         VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""), QF8=v.static_quant,
         V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
         SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, GP=v.padded_group, UNBOUNDED=UNBOUNDED,
+        MERGE=v.merge_splits,
     )
 
 

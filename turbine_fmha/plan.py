@@ -34,7 +34,8 @@ MAX_SPLITS = 64
 # keep loads in flight. On the H200, b32 x 4096 keys (256 items) ran 0.76 ms
 # unsplit, 0.53 ms in 2 splits, 0.33 ms in 4 and 0.32 ms in 8
 # (docs/perf-notes.md). The merge of the partials, though, is ~30 torch
-# operations after the kernel (~1.7 ms on the H200), so a decode splits only
+# operations after the kernel (~1.7 ms on the H200), so without a variant
+# that merges them in the module (Variant.merge_splits) a decode splits only
 # when it has fewer items than compute units.
 DECODE_ITEMS_PER_UNIT = 8
 # The kernel arguments each run brings, first in the signature's order; a
@@ -76,7 +77,9 @@ class Step:
     padded to `tile` (batch tile, rows) for static variants; `args` are the
     kernel arguments after q and the caches; place(dst, res) copies the
     results into the full outputs (out, then the [batch, heads, rows] ones:
-    LSE, and the row max and sum where asked for)."""
+    LSE, and the row max and sum where asked for). With `merge` n > 1 the
+    entries are split_kv's (n per sequence) and the variant merges them:
+    q and the results are per sequence, [b0 / n, b1 / n)."""
 
     b0: int
     b1: int
@@ -85,13 +88,15 @@ class Step:
     tile: tuple[int, int] | None
     args: list
     place: object
+    merge: int = 1
 
     def q(self, q):
         """This step's q from the full [batch, rows, ...] q."""
-        chunk = q[self.b0 : self.b1, self.s : self.e]
+        n = self.merge
+        chunk = q[self.b0 // n : self.b1 // n, self.s : self.e]
         if self.tile is None:
             return _contiguous(chunk)
-        return _pad_axis(_pad_rows(chunk, self.tile[0]), 1, self.tile[1])
+        return _pad_axis(_pad_rows(chunk, self.tile[0] // n), 1, self.tile[1])
 
 
 def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
@@ -128,7 +133,8 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
             bias=lambda: _bias_rows(bias, b0, b1, s, e, w * variant.page_block_size, tile, pad),
             sinks=lambda: c.sinks,
         )
-        return Step(b0, b1, s, e, tile, [args[n]() for n in order], _placer(b0, b1, s, e))
+        n = max(1, variant.merge_splits)
+        return Step(b0, b1, s, e, tile, [args[a]() for a in order], _placer(b0 // n, b1 // n, s, e), n)
 
     if variant.formulation == "explicit":
         # f32 scores plus probabilities in q's type (f16 for fp8 q).
@@ -138,6 +144,8 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
             chunk = min(chunk, MASKED_CHUNK_ROWS)
         return [step(0, c.batch, s, min(c.rows, s + chunk), None) for s in range(0, c.rows, chunk)]
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
+    if variant.merge_splits and c.batch % variant.merge_splits:  # pragma: no cover - split_kv's entries
+        raise ValueError(f"{variant.name} merges {variant.merge_splits} entries per sequence; got {c.batch}")
     return [step(b0, min(c.batch, b0 + bt_t), s, min(c.rows, s + mq), (bt_t, mq))
             for b0 in range(0, c.batch, bt_t) for s in range(0, c.rows, mq)]
 
@@ -240,13 +248,26 @@ def decode_splits(work_items: int, units: int, keys: int, batch: int, max_batch:
     return n
 
 
-def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
+def merged_decode_splits(work_items: int, units: int, keys: int, available) -> int:
+    """Splits for a group-padded decode of `work_items` (sequence, KV head)
+    pairs whose partials a variant merges in the module (`available`: the
+    merge_splits those variants have): the most that keeps within
+    DECODE_ITEMS_PER_UNIT items per compute unit and MIN_KEYS_PER_SPLIT keys
+    per split; 1 when no available count fits."""
+    if work_items <= 0:
+        return 1
+    want = min(MAX_SPLITS, keys // MIN_KEYS_PER_SPLIT, DECODE_ITEMS_PER_UNIT * units // work_items)
+    return max((n for n in available if 1 < n <= want), default=1)
+
+
+def split_kv(c: KernelCall, page: int, n: int, merged: bool = False) -> KernelCall:
     """The call as n partial calls over disjoint runs of block-table columns,
     stacked as batch entries b * n + j (q is repeated likewise: see
     repeat_rows). Entry (b, j) keeps absolute key
     positions (kv_shift - first column * page, which may be negative), so
     masks and ALiBi are unchanged, and every key lands in exactly one split.
-    Sinks are left to combine_splits."""
+    Sinks are left to combine_splits, or kept for a variant that merges the
+    splits itself (`merged`)."""
     batch, width = c.block_table.shape
     per = -(-width // n)
     # Columns past the table's width repeat each row's first page (a page
@@ -273,7 +294,8 @@ def split_kv(c: KernelCall, page: int, n: int) -> KernelCall:
 
     return dataclasses.replace(
         c, block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
-        kv_shift=shift.astype(np.int32), alibi_slopes=rep(c.alibi_slopes), bias=bias, sinks=None,
+        kv_shift=shift.astype(np.int32), alibi_slopes=rep(c.alibi_slopes), bias=bias,
+        sinks=c.sinks if merged else None,
     )
 
 

@@ -361,3 +361,18 @@ def default_session(device: str) -> Session:
             s = Session(device, compile_missing=default_compile_missing())
             _DEFAULT_SESSIONS[device] = s
         return s
+
+
+DEVICES = ("cpu", "cuda", "hip")
+
+
+def resolve_session(session, device: str) -> Session:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if session is None:
+        return default_session(device)
+    if not isinstance(session, Session):
+        raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
+    if session.device != device:
+        raise ValueError(f"session is for device {session.device!r}, call asked for {device!r}")
+    return session

@@ -4,7 +4,15 @@ serves a call."""
 from __future__ import annotations
 
 from .artifacts import ArtifactError
-from .variants import GPU_DECODE_TILES, GPU_PREFILL_TILE, Variant, online_unsupported, online_variant
+from .variants import (
+    GPU_DECODE_TILES,
+    GPU_PREFILL_TILE,
+    MERGE_SPLITS,
+    MERGED_DECODE_TILES,
+    Variant,
+    online_unsupported,
+    online_variant,
+)
 
 
 def _problem_key(problem: dict) -> tuple:
@@ -22,21 +30,25 @@ class VariantSelection:
                 f"or create the Session with compile_missing=True (either needs the build extra: "
                 f"pip install 'turbine-fmha[build]').")
 
-    def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False) -> Variant:
+    def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False,
+               merge: int = 0) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
-        Variant.problem); among static (online) variants, the one that pads
-        least, then the one with the fewest launches, then one without the
-        stale-row guard, which is allowed only when stale_rows_finite says
-        the V rows holding no key are finite (plan.stale_rows_finite)."""
+        Variant.problem) that merges `merge` split-KV entries per sequence
+        (0: none; `batch` counts entries); among static (online) variants,
+        the one that pads least, then the one with the fewest launches
+        (for a decode: the fewest launches, then the least padding), then
+        one without the stale-row guard, which is allowed only when
+        stale_rows_finite says the V rows holding no key are finite
+        (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem)
         cands = [
             v for v in self._by_problem.get(_problem_key(problem), [])
-            if v.formulation == formulation and (v.v_guard or stale_rows_finite)
+            if v.formulation == formulation and (v.v_guard or stale_rows_finite) and v.merge_splits == merge
         ]
         if self.compile_missing:
             # The default variant for the call competes with the built ones
             # (and is compiled if chosen).
-            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite, batch)
+            preferred = self._default_variant_for(problem, seqlen_q, stale_rows_finite, batch, merge)
             if preferred not in cands:
                 cands.append(preferred)
         if not cands:
@@ -45,12 +57,15 @@ class VariantSelection:
                                 + self.build_hint(self._default_variant_for(problem, seqlen_q).name))
 
         def cost(v: Variant):
-            # Least padded work first, then fewest kernel calls.
+            # Least padded work first, then fewest kernel calls; for a decode
+            # the other way round: one more launch costs more host time than
+            # padded batch entries cost on the device (docs/perf-notes.md).
             if v.formulation == "explicit":
                 return (0, 0, True)
             btiles = -(-batch // v.batch_tile)
             qtiles = -(-seqlen_q // v.seqlen_q_tile)
-            return (btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles, v.v_guard)
+            padded, launches = btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles
+            return ((launches, padded) if seqlen_q == 1 else (padded, launches)) + (v.v_guard,)
 
         return min(cands, key=cost)
 
@@ -61,7 +76,20 @@ class VariantSelection:
             return GPU_DECODE_TILES[-1][0]
         formulation = self._formulation_for(problem)
         return max((v.batch_tile for v in self._by_problem.get(_problem_key(problem), [])
-                    if v.formulation == formulation and v.seqlen_q_tile == 1), default=0)
+                    if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merge_splits), default=0)
+
+    def merge_splits_for(self, problem: dict) -> tuple:
+        """The split counts of the decode variants for `problem` that merge
+        split-KV partials in the module (Variant.merge_splits), with the
+        stale-row guard (so that select() finds one whatever the V rows
+        hold)."""
+        if self._formulation_for(problem) != "online":
+            return ()
+        if self.compile_missing:
+            return MERGE_SPLITS
+        return tuple(sorted({v.merge_splits for v in self._by_problem.get(_problem_key(problem), [])
+                             if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merge_splits
+                             and v.v_guard}))
 
     def serves(self, problem: dict) -> bool:
         """Whether select() can find (or, with compile_missing, build) a
@@ -79,11 +107,12 @@ class VariantSelection:
         return self.formulation
 
     def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False,
-                             batch: int = 1) -> Variant:
+                             batch: int = 1, merge: int = 0) -> Variant:
         if self._formulation_for(problem) == "explicit":
             return Variant(**problem)
         # Decode: the smallest batch tile that holds the batch in one launch.
-        bt, mq = next((t for t in GPU_DECODE_TILES if t[0] >= batch), GPU_DECODE_TILES[-1]) \
-            if seqlen_q == 1 else GPU_PREFILL_TILE
+        tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(
+            t for t, n in MERGED_DECODE_TILES if n == merge)
+        bt, mq = (next((t for t in tiles if t >= batch), tiles[-1]), 1) if seqlen_q == 1 else GPU_PREFILL_TILE
         guard = not (stale_rows_finite and problem["v_layout"] == "row")
-        return online_variant(problem, bt, mq, v_guard=guard)
+        return online_variant(problem, bt, mq, v_guard=guard, merge_splits=merge)

@@ -31,7 +31,7 @@ import hashlib
 # gets no MFMA).
 STATIC = {
     "explicit": frozenset({"HQ", "HK", "D", "DV", "PG"}),
-    "online": frozenset({"HQ", "HK", "D", "DV", "PG", "B", "S"}),
+    "online": frozenset({"HQ", "HK", "D", "DV", "PG", "B", "BO", "S"}),
     "append": frozenset({"HK", "D", "DV", "PG"}),
 }
 
@@ -68,7 +68,7 @@ class Kernel:
     results: tuple
 
 
-_STATS = ("B", "HQ", "S")
+_STATS = ("BO", "HQ", "S")
 
 # The attention forward (both formulations). seqlen_q, seqlen_k and kv_shift
 # are per sequence (kv_shift: gappy KV, key t of sequence b is gathered row
@@ -76,10 +76,13 @@ _STATS = ("B", "HQ", "S")
 # iparams = [q_start, window_left, window_right, sink_size] (see the
 # templates' prologue). Results: the output, then LSE, row max and row sum
 # of exp(score - max), the split-KV merge's weights.
+# "B" counts kernel entries, "BO" query sequences: they differ in a variant
+# that merges split-KV partials in the module (Variant.merge_splits), where
+# entry b * n + j is split j of sequence b; elsewhere BO is B.
 FWD = Kernel(
     "pagedkv_fwd",
     args=(
-        Tensor("q", ("B", "S", "HQ", "D"), "Q"),
+        Tensor("q", ("BO", "S", "HQ", "D"), "Q"),
         Tensor("k_cache", ("NP", "PG", "HK", "D"), "KV"),
         Tensor("v_cache", (), "KV", layouts=(("row", ("NP", "PG", "HK", "DV")), ("col", ("NP", "HK", "DV", "PG")))),
         Tensor("block_table", ("B", "W"), "i32"),
@@ -93,9 +96,9 @@ FWD = Kernel(
         Tensor("sinks", ("HQ",), "f32", when="sinks"),
     ),
     attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("v_layout", "str"), Attr("kv_dtype", "str"),
-           Attr("v_guard", "int"), Attr("group_rows", "int")),
+           Attr("v_guard", "int"), Attr("group_rows", "int"), Attr("merge_splits", "int")),
     results=(
-        Tensor("out", ("B", "S", "HQ", "DV"), "Q"),
+        Tensor("out", ("BO", "S", "HQ", "DV"), "Q"),
         Tensor("lse", _STATS, "f32"),
         Tensor("row_max", _STATS, "f32"),
         Tensor("row_sum", _STATS, "f32"),
@@ -164,7 +167,7 @@ def fwd_attrs(v) -> dict:
     quantization (q is then i8)."""
     return dict(mask=v.mask, softcap=int(v.softcap), v_layout=v.v_layout,
                 kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard),
-                group_rows=v.group_rows)
+                group_rows=v.group_rows, merge_splits=v.merge_splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +187,9 @@ def _bound(sizes: dict, static: frozenset) -> dict:
 
 def fwd_types(v) -> Types:
     """The attention declaration bound for Variant `v`."""
-    sym = _bound({"B": v.batch_tile, "S": v.seqlen_q_tile, "HQ": v.nhead_q, "HK": v.nhead_k, "D": v.hdim_q,
-                  "DV": v.hdim_v, "PG": v.page_block_size, "NP": 0, "W": 0, "N": 0}, STATIC[v.formulation])
+    sym = _bound({"B": v.batch_tile, "BO": v.batch_tile // max(1, v.merge_splits), "S": v.seqlen_q_tile,
+                  "HQ": v.nhead_q, "HK": v.nhead_k, "D": v.hdim_q, "DV": v.hdim_v, "PG": v.page_block_size,
+                  "NP": 0, "W": 0, "N": 0}, STATIC[v.formulation])
     if v.bias == "elementwise":
         sym["B|1"] = sym["B"] if v.bias_shape[0] == "b" else 1
         sym["HQ|1"] = sym["HQ"] if v.bias_shape[1] == "h" else 1

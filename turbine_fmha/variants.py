@@ -16,7 +16,6 @@ Heads, head dims and page size are static in every variant.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from .append_kernel import APPEND_DTYPES, ROTARY_MODES, AppendKernel  # noqa: F401 (re-exported)
 from .naming import NameCodec, Named, enum, number
@@ -61,7 +60,7 @@ class Variant(Named):
     # The metadata writes the name (naming.NameCodec): pagedkv_fwd_<dtype>
     # _d<hdim_q>x<hdim_v>_h<nhead_q>x<nhead_k>_pg<page>[_vcol][_kv<fp8>]
     # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
-    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>].
+    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>][_x<merge_splits>].
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
     hdim_q: int = dataclasses.field(metadata=number(1, "_d"))
     hdim_v: int = dataclasses.field(metadata=number(2, "x"))
@@ -101,6 +100,13 @@ class Variant(Named):
     # K/V page once per KV head instead of once per query head
     # (docs/perf-notes.md).
     group_rows: int = dataclasses.field(default=0, metadata=number(18, "_m", omit=0))
+    # Split-KV merged inside the module (online only; 0 = no merge): the
+    # kernel's batch_tile entries are split j of sequence b at entry
+    # b * merge_splits + j (plan.split_kv), q and the results are per
+    # sequence, and the partials are merged before the epilogue. A host
+    # merge of the partials costs more than the splits save on a GPU
+    # (plan.DECODE_ITEMS_PER_UNIT).
+    merge_splits: int = dataclasses.field(default=0, metadata=number(19, "_x", omit=0))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -147,6 +153,10 @@ class Variant(Named):
                                 or self.group_rows < self.group_size * self.seqlen_q_tile):
             raise ValueError("group_rows pads an online variant without per-head score terms: a multiple of "
                              "seqlen_q_tile, at least the GQA group x seqlen_q_tile")
+        if self.merge_splits and (self.formulation != "online" or self.merge_splits < 2
+                                  or self.batch_tile % self.merge_splits):
+            raise ValueError("merge_splits (at least 2) merges an online variant's batch entries: batch_tile "
+                             "must be a multiple of it")
         if not self.v_guard and (self.formulation != "online" or self.kv_dtype or self.v_layout != "row"):
             raise ValueError("only online variants with a row-major fp16/bf16/f32 V cache can drop the V guard")
 
@@ -230,12 +240,6 @@ PROBLEM_FIELDS = (
 )
 
 
-# Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
-# and MHA 8/8 for small services.
-DEFAULT_HEADS = ((32, 8), (8, 8))
-DEFAULT_PAGES = (1, 16, 32, 64, 128)
-DEFAULT_HDIMS = (64, 128)
-
 # GPU tiles (batch tile, query rows): decode at 8 to 128 sequences per call
 # (split-KV's partial calls count as sequences: batch 32 in 4 splits is one
 # launch of the 128 tile);
@@ -246,6 +250,16 @@ DEFAULT_HDIMS = (64, 128)
 GPU_DECODE_TILES = ((8, 1), (32, 1), (64, 1), (128, 1))
 GPU_PREFILL_TILES = ((1, 128), (1, 4096))
 GPU_DECODE_TILE = GPU_DECODE_TILES[0]
+# Decode variants that merge split-KV partials in the module
+# (Variant.merge_splits): (batch tile, split count). The runtime splits a
+# decode into at most 8 items per compute unit (plan.merged_decode_splits),
+# i.e. 66-132 kernel entries on an H200 for long keys: tile 128 for each
+# count, 64 and 32 where short keys or small batches make fewer entries (a
+# call that takes two launches pays ~0.5 ms more on the host than one that
+# takes one: docs/perf-notes.md).
+MERGED_DECODE_TILES = (tuple((128, n) for n in (2, 4, 8, 16, 32, 64)) + tuple((64, n) for n in (8, 16, 32, 64))
+                       + tuple((32, n) for n in (4, 8, 16, 32)))
+MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 
 
@@ -266,110 +280,6 @@ def online_variant(problem: dict, batch_tile: int, seqlen_q_tile: int, **fields)
                    group_rows=MMA_ROWS if pad else 0, **fields)
 
 
-# Score-side features in the default sets (one feature at a time, plus
-# sinks with ALiBi): (bias, bias_shape, softcap, sinks).
-FEATURES = (
-    ("alibi", "", False, False),
-    ("elementwise", "11", False, False),
-    ("elementwise", "1h", False, False),
-    ("elementwise", "bh", False, False),
-    ("none", "", True, False),
-    ("none", "", False, True),
-    ("alibi", "", False, True),
-)
-
-
-def _feature_variants(dtype, page, mask, tiles=None) -> list[Variant]:
-    """Each of FEATURES for GQA 32/8, hdim 128: explicit variants, or online
-    ones with `tiles` (batch tile, query rows)."""
-    out = [Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks)
-           for bias, shape, softcap, sinks in FEATURES]
-    return [online_variant(v.problem, *tiles) for v in out] if tiles else out
-
-
-def host_default_set() -> list[Variant]:
-    """The CPU set: explicit formulation, dynamic batch and query rows.
-
-    Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
-    mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
-    page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
-    and fp8 (e4m3) static quantization.
-    """
-    out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
-    for dtype in ("f16", "bf16"):
-        for mask in ("top_left", "bottom_right"):
-            out += _feature_variants(dtype, 16, mask)
-        for mask in ("none", "bottom_right"):
-            out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col"))
-            for kv in ("f8e4m3fn", "f8e4m3fnuz"):
-                out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
-    out += _static_quant_variants()
-    return out
-
-
-def _static_quant_variants() -> list[Variant]:
-    # e4m3 is the inference format (e5m2 is built on request); explicit
-    # formulation on every target (online_unsupported).
-    return [
-        Variant(f8, 128, 128, 32, 8, 16, mask)
-        for f8 in ("f8e4m3fn", "f8e4m3fnuz")
-        for mask in ("none", "bottom_right")
-    ]
-
-
-def gpu_default_set() -> list[Variant]:
-    """The GPU set: online formulation, decode and prefill buckets.
-
-    Kept to the shapes services run (fp16/bf16, hdim 128, GQA 32/8, page 16
-    and 64); everything else is built on request with --variants. Each
-    score-side feature comes for page 16 with the decode b8 tile (no mask)
-    and the prefill q128 tile (bottom-right mask), as does column-major V;
-    fp8 (e4m3fn, e4m3fnuz) KV caches and static quantization come in the
-    explicit formulation. Row-major online variants come with and without
-    the V guard.
-    """
-    out = []
-    for dtype in ("f16", "bf16"):
-        out += plain_variants("online", (dtype,), ((128, 128),), ((32, 8),), (16, 64))
-        out += _feature_variants(dtype, 16, "none", GPU_DECODE_TILE)
-        out += _feature_variants(dtype, 16, "bottom_right", GPU_PREFILL_TILE)
-        for tiles, mask in ((GPU_DECODE_TILE, "none"), (GPU_PREFILL_TILE, "bottom_right")):
-            out.append(online_variant(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col").problem, *tiles))
-            # fp8 caches run the explicit formulation on GPUs (see
-            # online_unsupported); it compiles for every GPU target.
-            for kv in ("f8e4m3fn", "f8e4m3fnuz"):
-                out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
-    out += without_v_guard(out)
-    out += _static_quant_variants()
-    return out
-
-
-def without_v_guard(variants: list[Variant]) -> list[Variant]:
-    """Each online row-major variant again without the V guard: the
-    runtime's choice when the stale V rows are finite (Variant.v_guard)."""
-    return [dataclasses.replace(v, v_guard=False) for v in variants if v.formulation == "online" and v.v_layout == "row"]
-
-
-def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Variant]:
-    """The featureless variants the runtime selects (selection.py) for each
-    combination of dtypes, (hdim_q, hdim_v), (nhead_q, nhead_k) and pages in
-    `formulation`. Explicit: one per mask. Online: decode tiles without a
-    mask (attention._Plan drops a causal decode row's), prefill tiles without
-    a mask and bottom-right; the explicit ones where online_unsupported.
-    Split-KV's partial calls use the same kernels."""
-    if formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    tiles = [(t, "none") for t in GPU_DECODE_TILES] + [(t, m) for t in GPU_PREFILL_TILES for m in ("none", "bottom_right")]
-    out = []
-    for dtype, (hq, hv), (nq, nk), page in itertools.product(dtypes, hdims, heads, pages):
-        shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, nhead_q=nq, nhead_k=nk, page_block_size=page)
-        if formulation == "online" and not online_unsupported(Variant(**shape).problem):
-            out += [online_variant(Variant(**shape, mask=m).problem, *t) for t, m in tiles]
-        else:
-            out += [Variant(**shape, mask=m) for m in MASKS]
-    return out
-
-
 def target_unsupported(variant: Variant, target_kind: str) -> str | None:
     """Why `variant` cannot be built for a target of `target_kind`, or None.
 
@@ -386,8 +296,16 @@ def parse_kernel(name: str):
     return Variant.parse(name)
 
 
-def default_append_kernels(gpu: bool) -> list[AppendKernel]:
-    """Append kernels for the default sets' cache shapes."""
-    if gpu:
-        return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16", "i8") for page in (16, 64)]
-    return [AppendKernel(dt, 8, hd, hd, page) for dt in ("f16", "bf16", "f32") for hd in DEFAULT_HDIMS for page in DEFAULT_PAGES]
+# The default sets live in default_sets.py (imported last: it builds on
+# Variant).
+from .default_sets import (  # noqa: E402,F401 (re-exported)
+    DEFAULT_HDIMS,
+    DEFAULT_HEADS,
+    DEFAULT_PAGES,
+    FEATURES,
+    default_append_kernels,
+    gpu_default_set,
+    host_default_set,
+    plain_variants,
+    without_v_guard,
+)

@@ -1,0 +1,170 @@
+"""Split-KV partials merged inside the module (Variant.merge_splits), against
+the float64 reference on fresh random inputs.
+
+The merged variant computes each split's partial in f32 and merges them in
+the kernel before the epilogue, so the output is rounded to the input dtype
+once: conftest's tolerances (which allow two roundings) apply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import turbine_fmha
+from conftest import CACHE, make_problem
+from test_modes import _check
+from turbine_fmha import build as tfb
+from turbine_fmha.plan import merged_decode_splits
+from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.variants import Variant, online_variant
+
+
+def _session(**kw):
+    return turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
+                                formulation="online", **kw)
+
+
+def _problem(rng, dtype, seqlens_k):
+    return make_problem(rng, dtype=dtype, batch=len(seqlens_k), seqlen_q=1, seqlens_k=seqlens_k, nhead_q=8,
+                        nhead_k=2, hdim=64, page=16)
+
+
+CASES = {
+    # An empty sequence, and one whose keys all fall in the first split (the
+    # other splits of it see nothing and must weigh nothing).
+    "plain": dict(dtype="f16", lens=[1500, 0, 37], kw={}),
+    # Sinks join the merged denominator once; a window masks whole splits.
+    "sinks_window_softcap": dict(dtype="bf16", lens=[1100, 700, 300],
+                                 kw=dict(mask_type="bottom_right", window_size_left=250, window_size_right=0,
+                                         logits_soft_cap=20.0, sinks=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_merged_splits_match_reference(rng, case):
+    c = CASES[case]
+    s = _session()
+    q, k, v, bt, sk = _problem(rng, c["dtype"], c["lens"])
+    kw = dict(c["kw"])
+    if kw.pop("sinks", False):
+        kw["sinks"] = rng.uniform(-1, 2, q.shape[2]).astype(np.float32)
+    out = np.full(q.shape, np.nan, q.dtype)  # poisoned: every element must be written
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, out=out, return_lse=True,
+                                           session=s, **kw)
+    assert s.last_variant.merge_splits == 4
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    _check(out, lse, ref, ref_lse, c["dtype"])
+
+
+def test_merged_splits_at_large_scores(rng):
+    """Scores ~1e4-1e5: the splits' maxima differ by far more than f32's exp
+    range, so every weight but the top split's is 0 or tiny. f32 inputs: the
+    online kernels fold the scale into q in q's dtype, which in f16 alone
+    moves an LSE of 1e5 by ~10 (docs/reliability.md)."""
+    s = _session()
+    q, k, v, bt, sk = _problem(rng, "f32", [1024, 900])
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, scale=3000.0, num_splits=4, return_lse=True, session=s)
+    assert s.last_variant.merge_splits == 4
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, scale=3000.0)
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-5  # conftest's f32 bound
+    # An f32 LSE of 1e5 carries ~0.008 per ulp: the score's products (scale,
+    # log2 e, then ln 2 back) and the log round a few ulps; 8 are allowed.
+    assert (np.abs(lse - ref_lse) <= 8 * np.finfo(np.float32).eps * np.abs(ref_lse)).all()
+
+
+def test_merged_split_with_a_nan_key(rng):
+    """A NaN key the row sees, in its last split: the row is NaN as in the
+    reference, the other sequence's rows are untouched."""
+    s = _session()
+    q, k, v, bt, sk = _problem(rng, "f16", [1500, 1200])
+    k[bt[0, 90], 3, 1, 5] = np.nan  # key 1443 of sequence 0, KV head 1: split 3 of 4
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, return_lse=True, session=s)
+    assert s.last_variant.merge_splits == 4
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    assert np.isnan(ref[0, :, 4:]).all() and np.isnan(out[0, :, 4:]).all()
+    assert np.isnan(lse[0, 4:]).all()
+    _check(out[1:], lse[1:], ref[1:], ref_lse[1:], "f16")
+    _check(out[0, :, :4], lse[0, :4], ref[0, :, :4], ref_lse[0, :4], "f16")
+
+
+def test_auto_split_merges_in_the_module_and_host_merge_remains(rng):
+    s = _session(compute_units=8)
+    q, k, v, bt, sk = _problem(rng, "f16", [2100, 1600])
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    # 2 sequences x 2 KV heads = 4 items; 8 per unit on 8 units wants 16
+    # splits, 2100 keys allow 4 of 512.
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=s)
+    assert s.last_variant.merge_splits == 4
+    _check(out, lse, ref, ref_lse, "f16")
+    # A split count no variant merges: partials merged on the host.
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=3, return_lse=True, session=s)
+    assert s.last_variant.merge_splits == 0 and s.last_variant.batch_tile >= 6
+    _check(out, lse, ref, ref_lse, "f16")
+
+
+def test_unsplit_call_never_runs_a_merging_variant(rng, tmp_path_factory):
+    """A merging variant shares its problem key with the plain one and has
+    the same tile: an unsplit call must not pick it (its q is per sequence,
+    its entries per split)."""
+    out_dir = CACHE / "merge-select"
+    p = Variant("f16", 64, 64, 8, 2, 16, "none").problem
+    plain, merged = online_variant(p, 8, 1), online_variant(p, 8, 1, merge_splits=4)
+    tfb.build(out_dir, ["host"], [merged, plain])
+    s = turbine_fmha.Session("cpu", artifact_dir=out_dir, formulation="online", compute_units=1000)
+    assert s.merge_splits_for(p) == (4,)
+    q, k, v, bt, sk = _problem(rng, "f16", [700, 300])
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=s)
+    assert s.last_variant == plain
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, return_lse=True, session=s)
+    assert s.last_variant == merged
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+
+
+def test_merged_decode_splits():
+    merges = (2, 4, 8, 16, 32, 64)
+    # H200 (132 units), 8 KV heads, b32 x 4096 keys: 256 items, 8 per unit
+    # wants 4 splits.
+    assert merged_decode_splits(32 * 8, 132, 4096, merges) == 4
+    assert merged_decode_splits(1 * 8, 132, 32768, merges) == 64  # MAX_SPLITS
+    assert merged_decode_splits(1 * 8, 132, 4096, merges) == 8  # 512 keys per split
+    assert merged_decode_splits(4 * 8, 132, 32768, merges) == 32
+    assert merged_decode_splits(64 * 8, 132, 4096, merges) == 2
+    assert merged_decode_splits(128 * 8, 132, 4096, merges) == 1  # 8 items per unit already
+    assert merged_decode_splits(32 * 8, 132, 4096, (8, 16)) == 1  # none available within the target
+    assert merged_decode_splits(8, 132, 600, merges) == 1
+    assert merged_decode_splits(0, 132, 4096, merges) == 1
+
+
+def test_merge_splits_field():
+    p = Variant("f16", 128, 128, 32, 8, 16, "none").problem
+    v = online_variant(p, 128, 1, merge_splits=4)
+    assert v.name.endswith("_m16_x4") and Variant.parse(v.name) == v
+    for bad in (dict(formulation="explicit", merge_splits=2),
+                dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_splits=3),
+                dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_splits=1)):
+        with pytest.raises(ValueError, match="merge_splits"):
+            Variant(**p, **bad)
+
+
+def test_decode_selection_prefers_one_launch(tmp_path):
+    """A decode takes one launch of a larger tile over several of a smaller
+    one (each launch more is host time per call); a prefill still takes the
+    least padding."""
+    import json
+
+    from turbine_fmha.variants import KERNEL_ABI
+
+    p = Variant("f16", 128, 128, 32, 8, 16, "none").problem
+    kernels = [online_variant(p, t, 1) for t in (8, 64)] + [online_variant(p, 1, q) for q in (128, 4096)]
+    kernels += [online_variant(p, t, 1, merge_splits=8) for t in (32, 128)]
+    entries = [dict(variant=k.name, target="cuda", path=f"cuda/{k.name}.vmfb", sha256="0" * 64,
+                    compiler_version="3.13.0", kernel_abi=KERNEL_ABI) for k in kernels]
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
+    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
+    assert s.select(p, 1, 40).batch_tile == 64  # not 5 launches of 8
+    assert s.select(p, 1, 8).batch_tile == 8
+    assert s.select(p, 1, 64, merge=8).batch_tile == 128  # not 2 launches of 32
+    assert s.select(p, 1, 32, merge=8).batch_tile == 32
+    assert s.select(p, 200, 1).seqlen_q_tile == 128  # prefill: 2 x 128 rows, not 4096

@@ -1,0 +1,142 @@
+"""The default variant sets: what `turbine-fmha build` compiles for a
+target when no variants are named (host: the explicit formulation; GPUs:
+the online one, in decode and prefill tiles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from .variants import (
+    FORMULATIONS,
+    GPU_DECODE_TILE,
+    GPU_DECODE_TILES,
+    GPU_PREFILL_TILE,
+    GPU_PREFILL_TILES,
+    MASKS,
+    MERGED_DECODE_TILES,
+    AppendKernel,
+    Variant,
+    online_unsupported,
+    online_variant,
+)
+
+# Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
+# and MHA 8/8 for small services.
+DEFAULT_HEADS = ((32, 8), (8, 8))
+DEFAULT_PAGES = (1, 16, 32, 64, 128)
+DEFAULT_HDIMS = (64, 128)
+
+# Score-side features in the default sets (one feature at a time, plus
+# sinks with ALiBi): (bias, bias_shape, softcap, sinks).
+FEATURES = (
+    ("alibi", "", False, False),
+    ("elementwise", "11", False, False),
+    ("elementwise", "1h", False, False),
+    ("elementwise", "bh", False, False),
+    ("none", "", True, False),
+    ("none", "", False, True),
+    ("alibi", "", False, True),
+)
+
+
+def _feature_variants(dtype, page, mask, tiles=None) -> list[Variant]:
+    """Each of FEATURES for GQA 32/8, hdim 128: explicit variants, or online
+    ones with `tiles` (batch tile, query rows)."""
+    out = [Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks)
+           for bias, shape, softcap, sinks in FEATURES]
+    return [online_variant(v.problem, *tiles) for v in out] if tiles else out
+
+
+def host_default_set() -> list[Variant]:
+    """The CPU set: explicit formulation, dynamic batch and query rows.
+
+    Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
+    mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
+    page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
+    and fp8 (e4m3) static quantization.
+    """
+    out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
+    for dtype in ("f16", "bf16"):
+        for mask in ("top_left", "bottom_right"):
+            out += _feature_variants(dtype, 16, mask)
+        for mask in ("none", "bottom_right"):
+            out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col"))
+            for kv in ("f8e4m3fn", "f8e4m3fnuz"):
+                out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
+    out += _static_quant_variants()
+    return out
+
+
+def _static_quant_variants() -> list[Variant]:
+    # e4m3 is the inference format (e5m2 is built on request); explicit
+    # formulation on every target (online_unsupported).
+    return [
+        Variant(f8, 128, 128, 32, 8, 16, mask)
+        for f8 in ("f8e4m3fn", "f8e4m3fnuz")
+        for mask in ("none", "bottom_right")
+    ]
+
+
+def gpu_default_set() -> list[Variant]:
+    """The GPU set: online formulation, decode and prefill buckets.
+
+    Kept to the shapes services run (fp16/bf16, hdim 128, GQA 32/8, page 16
+    and 64); everything else is built on request with --variants. Each
+    score-side feature comes for page 16 with the decode b8 tile (no mask)
+    and the prefill q128 tile (bottom-right mask), as does column-major V;
+    fp8 (e4m3fn, e4m3fnuz) KV caches and static quantization come in the
+    explicit formulation. Row-major online variants come with and without
+    the V guard.
+    """
+    out = []
+    for dtype in ("f16", "bf16"):
+        out += plain_variants("online", (dtype,), ((128, 128),), ((32, 8),), (16, 64))
+        out += _feature_variants(dtype, 16, "none", GPU_DECODE_TILE)
+        out += _feature_variants(dtype, 16, "bottom_right", GPU_PREFILL_TILE)
+        for tiles, mask in ((GPU_DECODE_TILE, "none"), (GPU_PREFILL_TILE, "bottom_right")):
+            out.append(online_variant(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col").problem, *tiles))
+            # fp8 caches run the explicit formulation on GPUs (see
+            # online_unsupported); it compiles for every GPU target.
+            for kv in ("f8e4m3fn", "f8e4m3fnuz"):
+                out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
+    out += without_v_guard(out)
+    out += _static_quant_variants()
+    return out
+
+
+def without_v_guard(variants: list[Variant]) -> list[Variant]:
+    """Each online row-major variant again without the V guard: the
+    runtime's choice when the stale V rows are finite (Variant.v_guard)."""
+    return [dataclasses.replace(v, v_guard=False) for v in variants if v.formulation == "online" and v.v_layout == "row"]
+
+
+def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Variant]:
+    """The featureless variants the runtime selects (selection.py) for each
+    combination of dtypes, (hdim_q, hdim_v), (nhead_q, nhead_k) and pages in
+    `formulation`. Explicit: one per mask. Online: decode tiles without a
+    mask (attention._Plan drops a causal decode row's), those that merge
+    split-KV partials in the module, prefill tiles without a mask and
+    bottom-right; the explicit ones where online_unsupported. Split-KV's
+    partial calls otherwise use the same kernels."""
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    tiles = [(t, "none") for t in GPU_DECODE_TILES] + [(t, m) for t in GPU_PREFILL_TILES for m in ("none", "bottom_right")]
+    out = []
+    for dtype, (hq, hv), (nq, nk), page in itertools.product(dtypes, hdims, heads, pages):
+        shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, nhead_q=nq, nhead_k=nk, page_block_size=page)
+        if formulation == "online" and not online_unsupported(Variant(**shape).problem):
+            p = Variant(**shape).problem
+            out += [online_variant(dict(p, mask=m), *t) for t, m in tiles]
+            if online_variant(p, 1, 1).group_rows:  # the decodes the runtime splits by items (plan.py)
+                out += [online_variant(p, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
+        else:
+            out += [Variant(**shape, mask=m) for m in MASKS]
+    return out
+
+
+def default_append_kernels(gpu: bool) -> list[AppendKernel]:
+    """Append kernels for the default sets' cache shapes."""
+    if gpu:
+        return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16", "i8") for page in (16, 64)]
+    return [AppendKernel(dt, 8, hd, hd, page) for dt in ("f16", "bf16", "f32") for hd in DEFAULT_HDIMS for page in DEFAULT_PAGES]
