@@ -56,14 +56,53 @@ def rocm_isa_report(dump_dir: Path, arch: str) -> dict:
             for k in kernels:
                 if k["name"] == name:
                     k["mfma_count"] = len(re.findall(r"\bv_mfma_", body))
+                    k["loop"] = main_loop(body)
     for k in kernels:
         k.setdefault("mfma_count", 0)
+        k.setdefault("loop", None)
         k["waves_per_simd"] = _waves_per_simd(k["vgpr_count"], k["agpr_count"], arch)
+    loops = [k for k in kernels if k["loop"]]
+    main = max(loops, key=lambda k: (k["loop"]["mfma"], k["loop"]["instructions"]), default=None)
     return {
         "kernels": kernels,
         "mfma_count": sum(k["mfma_count"] for k in kernels),
         "spills": sum(k["vgpr_spill_count"] + k["sgpr_spill_count"] for k in kernels),
         "scratch_bytes": max([k["scratch_bytes"] for k in kernels] or [0]),
+        # One iteration of the loop with the most MFMA: the attention's
+        # key step (per page, or per key tile).
+        "main_loop": None if main is None else dict(main["loop"], kernel=main["name"]),
+    }
+
+
+_OP = re.compile(r"^\s+([a-z_][a-z0-9_]*)", re.M)
+
+
+def main_loop(body: str) -> dict | None:
+    """Instruction counts of one iteration of a kernel's main loop: among
+    the regions a backward branch closes (label .. branch), the one with the
+    most MFMA instructions, then the shortest (the innermost)."""
+    labels = {m.group(1): m.start() for m in re.finditer(r"^(\.LBB\w+):", body, re.M)}
+    best = None
+    for m in re.finditer(r"^\s+s_c?branch\w*\s+(\.LBB\w+)", body, re.M):
+        start = labels.get(m.group(1))
+        if start is None or start >= m.start():
+            continue
+        ops = _OP.findall(body[start : m.end()])
+        mfma = sum(op.startswith("v_mfma") for op in ops)
+        if best is None or (mfma, -len(ops)) > best[0]:
+            best = ((mfma, -len(ops)), ops)
+    if best is None:
+        return None
+    ops = best[1]
+    return {
+        "instructions": len(ops),
+        "mfma": best[0][0],
+        "mfma_ops": sorted({op for op in ops if op.startswith("v_mfma")}),
+        "valu": sum(op.startswith("v_") and not op.startswith("v_mfma") for op in ops),
+        "salu": sum(op.startswith("s_") for op in ops),
+        "lds_reads": sum(op.startswith(("ds_read", "ds_load")) for op in ops),
+        "lds_writes": sum(op.startswith(("ds_write", "ds_store")) for op in ops),
+        "global_loads": sum(op.startswith(("global_load", "buffer_load")) for op in ops),
     }
 
 
