@@ -22,7 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
-SHAPES = ((1, 32768), (4, 32768), (32, 4096), (8, 4096), (64, 4096), (128, 4096))
+# (batch, keys, fp8 cache format or None)
+SHAPES = ((1, 32768, None), (4, 32768, None), (32, 4096, None), (8, 4096, None), (64, 4096, None),
+          (128, 4096, None), (32, 4096, "f8e4m3fn"), (1, 32768, "f8e4m3fn"))
 
 
 def main() -> int:
@@ -37,17 +39,19 @@ def main() -> int:
 
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)
-    for batch, keys in SHAPES:
+    for batch, keys, kv in SHAPES:
         width = keys // PAGE
         pages = batch * width
         bt = rng.permutation(pages).astype(np.int32).reshape(batch, width)
         sk = np.full(batch, keys, np.int32)
         k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
         v = torch.randn_like(k)
+        if kv:
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
         q = torch.randn(batch, 1, HQ, D, dtype=torch.float16, device="cuda")
         attn = turbine_fmha.PagedAttention(session).plan(
             bt, sk, num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
-            kv_rows_finite=True)
+            kv_dtype=k.dtype if kv else None, kv_rows_finite=True)
         for _ in range(10):
             attn.run(q, k, v)
         torch.cuda.synchronize()
@@ -64,13 +68,60 @@ def main() -> int:
         for e in prof.events():
             if e.device_type.name == "CUDA":
                 per[e.name] += e.device_time / args.calls
-        variant = attn._plan._variant(True)
-        kv_gbs = batch * keys * HK * D * 2 * 2 / (call_ms * 1e-3) / 1e9
-        print(f"decode b{batch} x {keys}: run() back to back {call_ms:.3f} ms ({kv_gbs:.0f} GB/s of KV), "
+        variant = attn._plan._variant(attn._plan.guard_free)
+        kv_gbs = batch * keys * HK * D * 2 * (1 if kv else 2) / (call_ms * 1e-3) / 1e9
+        print(f"decode b{batch} x {keys}{' ' + kv if kv else ''}: run() back to back {call_ms:.3f} ms ({kv_gbs:.0f} GB/s of KV), "
               f"splits {attn._plan.splits}, {variant.name}")
         for name, us in sorted(per.items(), key=lambda x: -x[1]):
             print(f"    {us:8.1f} us  {name[:110]}")
+    mixed_batch(session, rng, args.calls)
     return 0
+
+
+def mixed_batch(session, rng, calls: int) -> None:
+    """Continuous batching: 2 prefills of 512 rows and 30 decodes over 2048
+    keys in one group-mode call, against the prefills alone (group mode)
+    plus the decodes alone (batch mode), each planned once and run back to
+    back (issue 14's target: at most 1.3x the sum)."""
+    import torch
+
+    import turbine_fmha
+
+    lens_q = [512, 512] + [1] * 30
+    lens_k = [512, 512] + [2048] * 30
+    need = [-(-n // PAGE) for n in lens_k]
+    pages = sum(need)
+    perm = rng.permutation(pages).astype(np.int32)
+    bt = np.zeros((len(need), max(need)), np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = perm[at:at + n]
+        at += n
+    sk = np.array(lens_k, np.int32)
+    k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    starts = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    q = torch.randn(int(starts[-1]), HQ, D, dtype=torch.float16, device="cuda")
+    layout = dict(num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
+                  kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
+
+    def timed(attn, qq):
+        for _ in range(5):
+            attn.run(qq, k, v)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            attn.run(qq, k, v)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e3
+
+    both = timed(turbine_fmha.PagedAttention(session).plan(bt, sk, seqstart_q=starts, **layout), q)
+    pre = timed(turbine_fmha.PagedAttention(session).plan(bt[:2], sk[:2], seqstart_q=starts[:3], **layout),
+                q[: starts[2]])
+    dec = timed(turbine_fmha.PagedAttention(session).plan(bt[2:], sk[2:], **layout),
+                q[starts[2]:].reshape(30, 1, HQ, D))
+    print(f"mixed batch, 2 prefills x 512 + 30 decodes x 2048 keys: one group-mode run() {both:.3f} ms; "
+          f"prefills alone {pre:.3f} + decodes alone {dec:.3f} = {pre + dec:.3f} ms; ratio {both / (pre + dec):.2f}")
 
 
 if __name__ == "__main__":

@@ -31,12 +31,13 @@ def test_default_names_unchanged():
     """The default sets keep the names their artifacts were built under.
     (Changed on purpose with the group-padded decode and its 64/128 batch
     tiles: the GPU set's decode names gained _m16; then the decodes that
-    merge split-KV partials in the module, _x<n>, were added.)"""
+    merge split-KV partials in the module, _x<n>, were added, and the fp8
+    KV caches' online decode variants.)"""
     names = sorted(v.name for v in gpu_default_set() + host_default_set())
     names += sorted(a.name for gpu in (False, True) for a in default_append_kernels(gpu))
-    assert len(names) == 508
+    assert len(names) == 580
     digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
-    assert digest == "cc8080cc42e7c63ce60aa4ddfc1ecfe3cc6495ace553ac18bbbdd4b609b0779d"
+    assert digest == "f274552b9d898f2447dbd99f69d7818d5bf1ae755e4fca43de5edc4181fa8144"
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

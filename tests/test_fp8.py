@@ -33,15 +33,34 @@ def _fp8_problem(rng, fmt, dtype, **kw):
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_fp8_kv_cache(explicit_session, online_session, rng, formulation, fmt, dtype):
     session = explicit_session if formulation == "explicit" else online_session
-    prob, k_scale, v_scale = _fp8_problem(rng, fmt, dtype, batch=3, seqlen_q=int(rng.integers(1, 30)),
+    sq = int(rng.integers(1, 30))
+    prob, k_scale, v_scale = _fp8_problem(rng, fmt, dtype, batch=3, seqlen_q=sq,
                                           seqlens_k=[int(rng.integers(0, 80)) for _ in range(3)],
                                           nhead_q=8, nhead_k=2, hdim=64, page=16)
     run_and_check(session, prob, dtype=dtype, mask_type="bottom_right", window_size_right=0,
                   k_scale=k_scale, v_scale=v_scale)
     assert session.last_variant.kv_dtype == fmt.replace("float8_", "f8").replace("_", "")
-    # The online (GPU) kernels cannot take fp8 in every tile yet: served by
-    # the explicit formulation, which compiles for every GPU target.
-    assert session.last_variant.formulation == "explicit"
+    # The online (GPU) kernels take fp8 caches in their decode tiles only;
+    # other calls are served by the explicit formulation, which compiles for
+    # every GPU target.
+    assert session.last_variant.formulation == ("online" if formulation == "online" and sq == 1 else "explicit")
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"])
+def test_fp8_kv_online_decode(rng, fmt):
+    """A decode over an fp8 cache in the online (GPU) formulation: group
+    padded, keys split and merged in the module, against the reference on
+    the dequantized cache."""
+    from conftest import CACHE
+
+    session = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
+                                   formulation="online", compute_units=8)
+    prob, k_scale, v_scale = _fp8_problem(rng, fmt, "f16", batch=3, seqlen_q=1, seqlens_k=[1500, 0, 700],
+                                          nhead_q=8, nhead_k=2, hdim=64, page=16)
+    run_and_check(session, prob, dtype="f16", k_scale=k_scale, v_scale=v_scale)
+    used = session.last_variant
+    assert (used.formulation, used.kv_dtype, used.merge_splits) == (
+        "online", fmt.replace("float8_", "f8").replace("_", ""), 2)
 
 
 def test_fp8_errors(rng, tmp_path):

@@ -87,6 +87,28 @@ def test_group_mode_mixed_decode_prefill(sessions, rng, formulation, dtype, mask
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_mixed_batch_runs_decodes_apart(sessions, rng, formulation):
+    """A group-mode batch of prefills and decodes (continuous batching) runs
+    the decodes as their own kernel calls, not padded to the prefill rows:
+    on the online kernels, a decode tile."""
+    seqlens_q, seqlens_k = [1, 90, 1, 0, 40, 1], [300, 90, 17, 5, 200, 0]
+    q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k)
+    session = sessions[formulation]
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sk, seqstart_q=seqstart, num_pages=k.shape[0], page_block_size=16, nhead_q=8, nhead_k=2, hdim=64,
+        dtype="f16", mask_type="bottom_right", window_size_right=0)
+    decode, prefill = attn._plan.parts
+    assert (list(decode.active), decode.rows, list(prefill.active), prefill.rows) == ([0, 2, 5], 1, [1, 4], 90)
+    out = np.full((q.shape[0], 8, 64), np.nan, np.float16)  # poisoned: every row must be written
+    out, lse = attn.run(q, k, v, out=out, return_lse=True)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, mask_type="bottom_right",
+                                      window_size_right=0)
+    _check(out, lse, ref, ref_lse, "f16")
+    if formulation == "online":
+        assert decode._variant(False).seqlen_q_tile == 1 and prefill._variant(False).seqlen_q_tile > 1
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 def test_group_mode_with_features(sessions, rng, formulation):
     seqlens_q = [1, 37, 5, 1]
     seqlens_k = [80, 37, 60, 3]

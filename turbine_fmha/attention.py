@@ -42,7 +42,7 @@ from .plan import (
 )
 from .problem import Problem, layout_of_params, problem, scores, tables
 from .runtime import DEVICES, Session, resolve_session  # noqa: F401 (DEVICES re-exported)
-from .variants import bias_shape_of, online_variant
+from .variants import bias_shape_of, group_rows_for
 
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
@@ -114,19 +114,27 @@ class PagedAttention:
 class _Plan:
     """Everything about a call that does not depend on q or the caches."""
 
-    def __init__(self, p: Problem, session: Session, keep_binds: bool = True):
+    def __init__(self, p: Problem, session: Session, keep_binds: bool = True, active=None):
         self.p, self.session = p, session
         # Shared plans (plan_cache) keep no caches: they outlive the call.
         self._max_binds = MAX_BINDS if keep_binds else 0
         t, lay, s = p.tables, p.layout, p.scores
-        self.active = active_sequences(t, p.min_seqlen_q)
+        self.active = active_sequences(t, p.min_seqlen_q) if active is None else active
         self.rows = int(t.seqlens_q[self.active].max()) if self.active.size else 0
+        # A mixed group-mode batch (prefills and decodes, as continuous
+        # batching makes) runs as two plans over the same outputs: the
+        # decodes are not padded to the prefill rows, and get the decode
+        # kernels (group padding, splits).
+        lens = t.seqlens_q[self.active]
+        mixed = active is None and t.group and (lens == 1).any() and (lens > 1).any()
+        self.parts = [_Plan(p, session, keep_binds, self.active[sel]) for sel in (lens == 1, lens > 1)] \
+            if mixed else [self]
         self._variants: dict[bool, object] = {}
         self._steps: dict[object, list] = {}
         self._index: dict[object, tuple] = {}
         self._stale_index: dict[str, list] = {}
         self._binds: dict[tuple, tuple] = {}
-        if self.rows == 0:
+        if self.rows == 0 or mixed:
             return
         bt, shift = gappy_table(t, self.active, lay.page_block_size)
         bias = None if s.bias is None else bias_rows(s.bias, t, self.active, self.rows, shift,
@@ -146,8 +154,8 @@ class _Plan:
         self.merge = self.merge if self.merge == self.splits else 0
         self.call = split_kv(call, lay.page_block_size, self.splits, self.merge > 1) if self.splits > 1 else call
         self.key = self._key(self.splits, bias_shape_of(self.call.bias), self.merge > 1)
-        self.guard_free = (session._formulation_for(self.key) == "online" and lay.v_layout == "row"
-                           and not lay.kv_dtype)
+        self.guard_free = (session._formulation_for(self.key, self.rows == 1) == "online"
+                           and lay.v_layout == "row" and not lay.kv_dtype)
 
     def _key(self, splits: int, bias_shape: str, merged: bool = False) -> dict:
         """The variant key of the call in `splits` splits (`merged` in the
@@ -155,7 +163,7 @@ class _Plan:
         p, s = self.p, self.p.scores
         key = dict(p.key, bias_shape=bias_shape, sinks=p.key["sinks"] and (splits == 1 or merged))
         if self.rows == 1 and not s.mask.decode_needs_mask(s.alibi_slopes is not None) \
-                and self.session.serves(dict(key, mask="none")):
+                and self.session.serves(dict(key, mask="none"), True):
             key["mask"] = "none"  # GPU default sets have decode tiles only without a mask
         return key
 
@@ -170,8 +178,8 @@ class _Plan:
             return self.p.num_splits, self.p.num_splits if self.p.num_splits in merges else 0
         if lay.static_quant:
             return 1, 0
-        if self.rows == 1 and self.session._formulation_for(split_key) == "online" \
-                and online_variant(split_key, 1, 1).group_rows:
+        if self.rows == 1 and self.session._formulation_for(split_key, True) == "online" \
+                and group_rows_for(split_key, 1):
             merge = merged_decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, merges)
             if merge > 1:
                 return merge, merge
@@ -238,15 +246,16 @@ class _Plan:
             import torch
 
             torch.cuda.synchronize()  # the kernels run on IREE's stream: torch's writes first
-        variant = self._variant(self._rows_finite(v_cache if not _is_torch(v_cache) else vc)) if self.rows else None
-        steps = self._device_steps(variant, results) if variant is not None else []
-        if out is None and self._direct(steps):
+        v_src = v_cache if not _is_torch(v_cache) else vc
+        work = [(pt, pt._variant(pt._rows_finite(v_src))) for pt in self.parts if pt.rows]
+        steps = [pt._device_steps(v, results) for pt, v in work]
+        if out is None and len(work) == 1 and work[0][0] is self and self._direct(steps[0]):
             # One kernel call computes exactly the output: its results are it.
-            out, lse = self._call(variant, steps[0], self._batch_q(q, results), kc, vc, results, stats=False)
+            out, lse = self._call(work[0][1], steps[0][0], self._batch_q(q, results), kc, vc, results, stats=False)
         else:
             out, lse = self._allocate(q, out, results)
-            if variant is not None:
-                self._compute(variant, steps, q, kc, vc, results, out, lse)
+            for (pt, variant), st in zip(work, steps):
+                pt._compute(variant, st, q, kc, vc, results, out, lse)
         if torch_results or not _is_torch(like):
             return (out, lse) if return_lse else out
         out_t = _from_numpy(out, like)

@@ -17,6 +17,7 @@ from .variants import (
     MERGED_DECODE_TILES,
     AppendKernel,
     Variant,
+    group_rows_for,
     online_unsupported,
     online_variant,
 )
@@ -85,9 +86,10 @@ def gpu_default_set() -> list[Variant]:
     and 64); everything else is built on request with --variants. Each
     score-side feature comes for page 16 with the decode b8 tile (no mask)
     and the prefill q128 tile (bottom-right mask), as does column-major V;
-    fp8 (e4m3fn, e4m3fnuz) KV caches and static quantization come in the
-    explicit formulation. Row-major online variants come with and without
-    the V guard.
+    fp8 (e4m3fn, e4m3fnuz) KV caches come in the online decode tiles (those
+    merging splits included) and in the explicit formulation for the rest,
+    fp8 static quantization in the explicit one. Row-major online variants
+    of fp16/bf16 caches come with and without the V guard.
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -96,19 +98,25 @@ def gpu_default_set() -> list[Variant]:
         out += _feature_variants(dtype, 16, "bottom_right", GPU_PREFILL_TILE)
         for tiles, mask in ((GPU_DECODE_TILE, "none"), (GPU_PREFILL_TILE, "bottom_right")):
             out.append(online_variant(Variant(dtype, 128, 128, 32, 8, 16, mask, v_layout="col").problem, *tiles))
-            # fp8 caches run the explicit formulation on GPUs (see
-            # online_unsupported); it compiles for every GPU target.
+            # fp8 caches beyond the decode tiles run the explicit formulation
+            # on GPUs (see online_unsupported); it compiles for every target.
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
+        for kv in ("f8e4m3fn", "f8e4m3fnuz"):
+            p = Variant(dtype, 128, 128, 32, 8, 16, "none", kv_dtype=kv).problem
+            out += [online_variant(p, t, 1) for t, _ in GPU_DECODE_TILES]
+            out += [online_variant(p, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
     out += without_v_guard(out)
     out += _static_quant_variants()
     return out
 
 
 def without_v_guard(variants: list[Variant]) -> list[Variant]:
-    """Each online row-major variant again without the V guard: the
-    runtime's choice when the stale V rows are finite (Variant.v_guard)."""
-    return [dataclasses.replace(v, v_guard=False) for v in variants if v.formulation == "online" and v.v_layout == "row"]
+    """Each online variant of a row-major fp16/bf16/f32 cache again without
+    the V guard: the runtime's choice when the stale V rows are finite
+    (Variant.v_guard)."""
+    return [dataclasses.replace(v, v_guard=False) for v in variants
+            if v.formulation == "online" and v.v_layout == "row" and not v.kv_dtype]
 
 
 def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Variant]:
@@ -128,7 +136,7 @@ def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Varian
         if formulation == "online" and not online_unsupported(Variant(**shape).problem):
             p = Variant(**shape).problem
             out += [online_variant(dict(p, mask=m), *t) for t, m in tiles]
-            if online_variant(p, 1, 1).group_rows:  # the decodes the runtime splits by items (plan.py)
+            if group_rows_for(p, 1):  # the decodes the runtime splits by items (plan.py)
                 out += [online_variant(p, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
         else:
             out += [Variant(**shape, mask=m) for m in MASKS]

@@ -40,7 +40,7 @@ class VariantSelection:
         one without the stale-row guard, which is allowed only when
         stale_rows_finite says the V rows holding no key are finite
         (plan.stale_rows_finite)."""
-        formulation = self._formulation_for(problem)
+        formulation = self._formulation_for(problem, seqlen_q == 1)
         cands = [
             v for v in self._by_problem.get(_problem_key(problem), [])
             if v.formulation == formulation and (v.v_guard or stale_rows_finite) and v.merge_splits == merge
@@ -74,7 +74,7 @@ class VariantSelection:
         split-KV decode is kept within one launch of it (0: no such tile)."""
         if self.compile_missing:
             return GPU_DECODE_TILES[-1][0]
-        formulation = self._formulation_for(problem)
+        formulation = self._formulation_for(problem, True)
         return max((v.batch_tile for v in self._by_problem.get(_problem_key(problem), [])
                     if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merge_splits), default=0)
 
@@ -83,7 +83,7 @@ class VariantSelection:
         split-KV partials in the module (Variant.merge_splits), with the
         stale-row guard (so that select() finds one whatever the V rows
         hold)."""
-        if self._formulation_for(problem) != "online":
+        if self._formulation_for(problem, True) != "online":
             return ()
         if self.compile_missing:
             return MERGE_SPLITS
@@ -91,24 +91,25 @@ class VariantSelection:
                              if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merge_splits
                              and v.v_guard}))
 
-    def serves(self, problem: dict) -> bool:
+    def serves(self, problem: dict, decode: bool = False) -> bool:
         """Whether select() can find (or, with compile_missing, build) a
-        variant for `problem`."""
+        variant for `problem` (for a decode: one query row)."""
         if self.compile_missing:
             return True
-        formulation = self._formulation_for(problem)
+        formulation = self._formulation_for(problem, decode)
         return any(v.formulation == formulation for v in self._by_problem.get(_problem_key(problem), []))
 
-    def _formulation_for(self, problem: dict) -> str:
+    def _formulation_for(self, problem: dict, decode: bool = False) -> str:
         """The session's formulation, unless the online one cannot serve the
-        problem (variants.online_unsupported): then the explicit one."""
-        if self.formulation == "online" and online_unsupported(problem):
+        problem (variants.online_unsupported; `decode`: a call of one query
+        row): then the explicit one."""
+        if self.formulation == "online" and online_unsupported(problem, decode):
             return "explicit"
         return self.formulation
 
     def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False,
                              batch: int = 1, merge: int = 0) -> Variant:
-        if self._formulation_for(problem) == "explicit":
+        if self._formulation_for(problem, seqlen_q == 1) == "explicit":
             return Variant(**problem)
         # Decode: the smallest batch tile that holds the batch in one launch.
         tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(

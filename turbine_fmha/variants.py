@@ -143,7 +143,7 @@ class Variant(Named):
         if self.formulation == "online" and not static:
             raise ValueError("online variants need batch_tile and seqlen_q_tile > 0")
         if self.formulation == "online":
-            reason = online_unsupported(self.problem)
+            reason = online_unsupported(self.problem, decode=self.seqlen_q_tile == 1 and self.batch_tile > 1)
             if reason:
                 raise ValueError(f"the online formulation cannot serve this variant: {reason}")
         if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
@@ -196,8 +196,10 @@ def bias_shape_of(bias) -> str:
     return ("b" if bias.shape[0] != 1 else "1") + ("h" if bias.shape[1] != 1 else "1")
 
 
-def online_unsupported(problem: dict) -> str | None:
-    """Why the online (GPU) formulation cannot serve `problem`, or None.
+def online_unsupported(problem: dict, decode: bool = False) -> str | None:
+    """Why the online (GPU) formulation cannot serve `problem` (in its decode
+    tiles, one query row and batch tiles of 8 and more, with `decode`), or
+    None.
 
     The runtime then runs the explicit formulation instead (on any target):
     slower on GPUs, but the same kernel the CPU tests execute.
@@ -209,10 +211,11 @@ def online_unsupported(problem: dict) -> str | None:
     if problem["dtype"] in FP8_DTYPES:
         # Same failure as fp8 KV caches, plus the P/output quantization.
         return "fp8 static quantization runs in the explicit kernels only"
-    if problem.get("kv_dtype"):
+    if problem.get("kv_dtype") and not decode:
         # With the fp8 bytes decoded by integer arithmetic, the online kernels
-        # compile for small tiles but not for batch tile 1 (GPU codegen fails
-        # on the 0-d per-sequence scalars in the V-widening dispatch).
+        # compile for the decode tiles (batch tiles 8-128, matrix cores
+        # included) but not for batch tile 1, the prefill tiles' (GPU codegen
+        # fails on the 0-d per-sequence scalars in the V-widening dispatch).
         return "fp8 KV caches do not compile in the online kernels for every tile in IREE 3.13"
     per_head = problem["bias"] == "alibi" or (problem["bias"] == "elementwise" and problem["bias_shape"][1] == "h")
     if per_head and problem["page_block_size"] == 1:
@@ -268,16 +271,21 @@ GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 MMA_ROWS = 16
 
 
-def online_variant(problem: dict, batch_tile: int, seqlen_q_tile: int, **fields) -> Variant:
-    """The online variant serving `problem` with these tiles: its GQA group
-    zero-padded to MMA_ROWS query rows per KV head where the group's rows
-    are fewer (a decode) and the variant has no per-head score terms
-    (Variant.group_rows)."""
+def group_rows_for(problem: dict, seqlen_q_tile: int) -> int:
+    """The group_rows of `problem`'s online variants with `seqlen_q_tile`
+    query rows: MMA_ROWS where the GQA group's rows are fewer (a decode) and
+    there are no per-head score terms, else 0 (Variant.group_rows)."""
     group = problem["nhead_q"] // problem["nhead_k"]
     per_head = problem["bias"] == "alibi" or (problem["bias"] == "elementwise" and problem["bias_shape"][1] == "h")
     pad = group * seqlen_q_tile < MMA_ROWS and MMA_ROWS % seqlen_q_tile == 0 and not per_head
+    return MMA_ROWS if pad else 0
+
+
+def online_variant(problem: dict, batch_tile: int, seqlen_q_tile: int, **fields) -> Variant:
+    """The online variant serving `problem` with these tiles, its GQA group
+    padded by group_rows_for."""
     return Variant(**problem, formulation="online", batch_tile=batch_tile, seqlen_q_tile=seqlen_q_tile,
-                   group_rows=MMA_ROWS if pad else 0, **fields)
+                   group_rows=group_rows_for(problem, seqlen_q_tile), **fields)
 
 
 def target_unsupported(variant: Variant, target_kind: str) -> str | None:
