@@ -27,6 +27,20 @@ SHAPES = ((1, 32768, None), (4, 32768, None), (32, 4096, None), (8, 4096, None),
           (128, 4096, None), (32, 4096, "f8e4m3fn"), (1, 32768, "f8e4m3fn"))
 
 
+def _back_to_back(fn, calls: int, warmup: int = 5) -> float:
+    """ms per call of `fn`, calls queued back to back with one final wait."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
@@ -52,14 +66,7 @@ def main() -> int:
         attn = turbine_fmha.PagedAttention(session).plan(
             bt, sk, num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
             kv_dtype=k.dtype if kv else None, kv_rows_finite=True)
-        for _ in range(10):
-            attn.run(q, k, v)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            attn.run(q, k, v)
-        torch.cuda.synchronize()
-        call_ms = (time.perf_counter() - t0) / args.calls * 1e3
+        call_ms = _back_to_back(lambda: attn.run(q, k, v), args.calls, warmup=10)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.calls):
                 attn.run(q, k, v)
@@ -97,14 +104,7 @@ def prefill_pages(session, rng, calls: int = 10) -> None:
         attn = turbine_fmha.PagedAttention(session).plan(
             bt, np.array([rows], np.int32), num_pages=pages, page_block_size=page, nhead_q=HQ, nhead_k=HK, hdim=D,
             dtype="f16", seqlen_q=rows, kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
-        for _ in range(3):
-            attn.run(q, k, v)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            attn.run(q, k, v)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / calls * 1e3
+        ms = _back_to_back(lambda: attn.run(q, k, v), calls, warmup=3)
         tflops = 4.0 * HQ * D * visible / (ms * 1e-3) / 1e12
         print(f"prefill 4096 causal, page {page}: run() back to back {ms:.3f} ms = {tflops:.1f} TFLOP/s "
               f"(visible), {attn._plan._variant(True).name}")
@@ -138,14 +138,7 @@ def mixed_batch(session, rng, calls: int) -> None:
                   kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
 
     def timed(attn, qq):
-        for _ in range(5):
-            attn.run(qq, k, v)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            attn.run(qq, k, v)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / calls * 1e3
+        return _back_to_back(lambda: attn.run(qq, k, v), calls)
 
     both = timed(turbine_fmha.PagedAttention(session).plan(bt, sk, seqstart_q=starts, **layout), q)
     pre = timed(turbine_fmha.PagedAttention(session).plan(bt[:2], sk[:2], seqstart_q=starts[:3], **layout),
