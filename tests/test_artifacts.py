@@ -195,9 +195,9 @@ def test_ctrl_c_stops_promptly_and_keeps_what_finished(tmp_path):
     out = tmp_path / "out"
     proc = _builder(out, [A1, SLOW, A2])
     _wait_for(lambda: A1.name in _entries(out), proc)
-    time.sleep(0.2)  # SLOW's compile is under way
+    # Interrupted as soon as SLOW's compile is under way: ~3 s of it left.
+    _wait_for(lambda: _children(proc.pid), proc)
     compilers = _children(proc.pid)
-    assert compilers, "no iree-compile running"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     try:
@@ -207,9 +207,11 @@ def test_ctrl_c_stops_promptly_and_keeps_what_finished(tmp_path):
         raise AssertionError("build still running 10 s after SIGINT")
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
-    # Well under the ~2 s left of SLOW's compile (the build exits in ~0.1 s
-    # after stopping it; waiting for the compile instead took 1.9 s).
-    assert seconds < 1.0, seconds
+    # Well under the ~3 s left of SLOW's compile: stopping it and exiting
+    # (the interpreter's exit with torch loaded included) took 0.5-1.25 s on
+    # the 2-core machine under load, waiting for the compile instead would
+    # take 2.5 s or more.
+    assert seconds < 1.8, seconds
     deadline = time.monotonic() + 2
     while not all(_gone(c) for c in compilers) and time.monotonic() < deadline:
         time.sleep(0.01)
