@@ -103,9 +103,7 @@ def gpu_default_set() -> list[Variant]:
             for kv in ("f8e4m3fn", "f8e4m3fnuz"):
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
         for kv in ("f8e4m3fn", "f8e4m3fnuz"):
-            p = Variant(dtype, 128, 128, 32, 8, 16, "none", kv_dtype=kv).problem
-            out += [online_variant(p, t, 1) for t, _ in GPU_DECODE_TILES]
-            out += [online_variant(p, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
+            out += decode_variants(Variant(dtype, 128, 128, 32, 8, 16, "none", kv_dtype=kv).problem)
     out += without_v_guard(out)
     out += _static_quant_variants()
     return out
@@ -129,17 +127,25 @@ def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Varian
     partial calls otherwise use the same kernels."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    tiles = [(t, "none") for t in GPU_DECODE_TILES] + [(t, m) for t in GPU_PREFILL_TILES for m in ("none", "bottom_right")]
     out = []
     for dtype, (hq, hv), (nq, nk), page in itertools.product(dtypes, hdims, heads, pages):
         shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, nhead_q=nq, nhead_k=nk, page_block_size=page)
-        if formulation == "online" and not online_unsupported(Variant(**shape).problem):
-            p = Variant(**shape).problem
-            out += [online_variant(dict(p, mask=m), *t) for t, m in tiles]
-            if group_rows_for(p, 1):  # the decodes the runtime splits by items (plan.py)
-                out += [online_variant(p, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
+        p = Variant(**shape).problem
+        if formulation == "online" and not online_unsupported(p):
+            out += decode_variants(p)
+            out += [online_variant(dict(p, mask=m), *t) for t in GPU_PREFILL_TILES for m in ("none", "bottom_right")]
         else:
             out += [Variant(**shape, mask=m) for m in MASKS]
+    return out
+
+
+def decode_variants(problem: dict) -> list[Variant]:
+    """The online decode variants of a mask-free `problem`: each decode tile,
+    and where the group is padded (the decodes the runtime splits by items,
+    plan.py) those that merge split-KV partials in the module."""
+    out = [online_variant(problem, t, 1) for t, _ in GPU_DECODE_TILES]
+    if group_rows_for(problem, 1):
+        out += [online_variant(problem, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
     return out
 
 
