@@ -24,7 +24,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
 from turbine_fmha.arrays import _Results  # noqa: E402
-from turbine_fmha.attention import _kernel_cache  # noqa: E402
 
 
 def timed(fn, calls: int, sync=None) -> float:
@@ -151,8 +150,8 @@ def _staged_run(attn, q, k, v, calls, replan=None):
         t = lap("variant", t)
         st = plan._device_steps(variant, results)[0]
         t = lap("steps (tables uploaded)", t)
-        args = [st.q(plan._batch_q(like.detach(), results)), *(_kernel_cache(c, plan.p.layout, session)
-                                                               for c in (kc, vc)), *st.args]
+        args = [st.q(plan._batch_q(like.detach(), results)), *(session.kernel_cache(c, False) for c in (kc, vc)),
+                *st.args]
         args = [a if not hasattr(a, "data_ptr") else session.import_torch(a) for a in args]
         t = lap("import q", t)
         torch.cuda.synchronize()

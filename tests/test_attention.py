@@ -159,7 +159,6 @@ def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
     q = rng.standard_normal((1, 1, 4, d)).astype(np.float16)
     attn = turbine_fmha.PagedAttention(explicit_session).plan(bt, sk, num_pages=pages, page_block_size=page,
                                                               nhead_q=4, nhead_k=hk, hdim=d, dtype="f16")
-    attn.run(q, k, v)  # loads the kernel
     imported = []
     real = explicit_session.import_host
 
@@ -170,13 +169,44 @@ def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
 
     explicit_session.import_host = spy
     try:
+        attn.run(q, k, v)  # loads the kernel and imports the caches
         tracemalloc.start()
         out = attn.run(q, k, v)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     finally:
         del explicit_session.import_host
+    # Imported by the first run, reused by the next (Session.kernel_cache).
     assert imported == [(k.nbytes, True), (v.nbytes, True)]
     assert peak < 4 << 20, f"run() allocated {peak / 2**20:.1f} MB on the host"
     ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
     assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
+
+
+def test_run_reads_each_layers_cache_as_it_is_now(explicit_session, rng):
+    """A plan keeps its imports of host caches (Session.kernel_cache): runs
+    over several layers' caches must each read their own, and a cache
+    written in place between runs (a step's appends) must be read as it is
+    now, aligned (imported) or not (copied per call)."""
+    shape = dict(dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 17], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(rng, **shape)
+    layers = [(q, _aligned_copy(k), _aligned_copy(v))]
+    layers.append((q, _aligned_copy(k * 2), _aligned_copy(v * 3)))
+    layers.append((q, k + 1, v))  # unaligned: copied per call
+    attn = turbine_fmha.PagedAttention(explicit_session).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16")
+    used = np.concatenate([bt[b, : -(-n // 16)] for b, n in enumerate(sk)])
+    for _ in range(2):
+        for q, k, v in layers:
+            out = attn.run(q, k, v)
+            ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
+            assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
+        for _, k, v in layers:  # new values in the used pages, in place
+            k[used] = rng.standard_normal(k[used].shape).astype(np.float16)
+            v[used] = rng.standard_normal(v[used].shape).astype(np.float16)
+
+
+def _aligned_copy(a):
+    out = aligned_zeros(a.shape, a.dtype)
+    out[...] = a
+    return out

@@ -22,7 +22,6 @@ from .arrays import (
     _TensorInfo,
     _to_numpy,
     _TorchDeviceCache,
-    kernel_host_array,
     ops_for,
 )
 from .checks import check_int, check_out
@@ -118,6 +117,7 @@ class _Plan:
         self.p, self.session = p, session
         # Shared plans (plan_cache) keep no caches: they outlive the call.
         self._max_binds = MAX_BINDS if keep_binds else 0
+        self._imports = {} if keep_binds else None  # host caches imported (Session.kernel_cache)
         t, lay, s = p.tables, p.layout, p.scores
         self.active = active_sequences(t, p.min_seqlen_q) if active is None else active
         self.rows = int(t.seqlens_q[self.active].max()) if self.active.size else 0
@@ -323,7 +323,8 @@ class _Plan:
             st.tile in (None, (self.call.batch, self.rows))
 
     def _call(self, variant, st, qb, k_cache, v_cache, results, stats: bool):
-        kc, vc = (_kernel_cache(c, self.p.layout, self.session) for c in (k_cache, v_cache))
+        as_bytes = bool(self.p.layout.kv_dtype or self.p.layout.static_quant)  # fp8 travels as i8
+        kc, vc = (self.session.kernel_cache(c, as_bytes, self._imports) for c in (k_cache, v_cache))
         return results.run(variant, st.q(qb), kc, vc, *st.args, stats=stats)
 
     def _allocate(self, q, out, results):
@@ -384,16 +385,3 @@ class _Plan:
 def _fingerprint(t) -> tuple:
     """What a bound torch cache depends on: its memory and layout."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
-
-
-def _kernel_cache(c, lay, session):
-    """A cache as a kernel argument: device arrays as they are; host caches
-    read in place on CPU sessions (a strided view is copied once, aligned;
-    the imported buffer holds its source array)."""
-    if isinstance(c, _DeviceCache):
-        return c.array
-    a = kernel_host_array(c)
-    if lay.kv_dtype or lay.static_quant:  # the kernels take fp8 caches as i8 and decode them
-        a = a.view(np.int8)
-    imported = session.import_host(a)
-    return a if imported is None else imported

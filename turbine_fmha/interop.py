@@ -9,7 +9,10 @@ import sys
 
 import numpy as np
 
-from .arrays import _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy
+from .arrays import _DeviceCache, _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy, kernel_host_array
+
+# Host caches a plan keeps imported (two per layer of a large model).
+MAX_KEPT_IMPORTS = 512
 
 
 class DeviceInterop:
@@ -48,6 +51,32 @@ class DeviceInterop:
         # (a caller dropping its copy early once made kernels read freed
         # memory).
         imported._host_keepalive = array
+        return imported
+
+    def kernel_cache(self, c, as_bytes: bool, kept: dict | None = None):
+        """A cache (an arrays._cache_array) as a kernel argument: device
+        arrays as they are; host caches read in place on CPU sessions (a
+        strided or unaligned one is copied, aligned, per call). `as_bytes`:
+        the kernel takes the cache as i8 (fp8). `kept`: a plan's imports of
+        host caches read in place, by memory and layout, so that the next
+        layer's run() of the same arrays imports nothing; it holds the
+        arrays (like a plan's bound torch caches)."""
+        if isinstance(c, _DeviceCache):
+            return c.array
+        a = kernel_host_array(c)
+        in_place = a is c
+        if as_bytes:
+            a = a.view(np.int8)
+        key = (a.ctypes.data, a.shape, a.strides, a.dtype.str)
+        if in_place and kept is not None and key in kept:
+            return kept[key]
+        imported = self.import_host(a)
+        if imported is None:
+            return a
+        if in_place and kept is not None:
+            if len(kept) >= MAX_KEPT_IMPORTS:
+                kept.clear()
+            kept[key] = imported  # holds `a` (import_host)
         return imported
 
     @property
