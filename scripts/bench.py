@@ -281,6 +281,7 @@ SPLIT_SHAPES = {
     "cpu": [dict(name="decode", batch=1, seqlen_q=1, seqlen_k=16384, mask="none"),
             dict(name="decode", batch=8, seqlen_q=1, seqlen_k=2048, mask="none")],
     "cuda": [dict(name="decode", batch=1, seqlen_q=1, seqlen_k=32768, mask="none"),
+             dict(name="decode", batch=1, seqlen_q=1, seqlen_k=4096, mask="none"),
              dict(name="decode", batch=4, seqlen_q=1, seqlen_k=32768, mask="none"),
              dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096, mask="none")],
 }

@@ -32,12 +32,12 @@ def test_default_names_unchanged():
     (Changed on purpose with the group-padded decode and its 64/128 batch
     tiles: the GPU set's decode names gained _m16; then the decodes that
     merge split-KV partials in the module, _x<n>, were added, and the fp8
-    KV caches' online decode variants.)"""
+    KV caches' online decode variants; then the 128-split merges.)"""
     names = sorted(v.name for v in gpu_default_set() + host_default_set())
     names += sorted(a.name for gpu in (False, True) for a in default_append_kernels(gpu))
-    assert len(names) == 580
+    assert len(names) == 592
     digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
-    assert digest == "f274552b9d898f2447dbd99f69d7818d5bf1ae755e4fca43de5edc4181fa8144"
+    assert digest == "de551f1b4920efe3ee0b62a7efe40764b9d66aab5ba906f4c44e2fd01faebe52"
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

@@ -93,9 +93,9 @@ def test_auto_split_merges_in_the_module_and_host_merge_remains(rng):
     q, k, v, bt, sk = _problem(rng, "f16", [2100, 1600])
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk)
     # 2 sequences x 2 KV heads = 4 items; 8 per unit on 8 units wants 16
-    # splits, 2100 keys allow 4 of 512.
+    # splits, 2100 keys allow 8 of 256 (plan.MIN_KEYS_PER_MERGED_SPLIT).
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=s)
-    assert s.last_variant.merge_splits == 4
+    assert s.last_variant.merge_splits == 8
     _check(out, lse, ref, ref_lse, "f16")
     # A split count no variant merges: partials merged on the host.
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=3, return_lse=True, session=s)
@@ -123,17 +123,18 @@ def test_unsplit_call_never_runs_a_merging_variant(rng, tmp_path_factory):
 
 
 def test_merged_decode_splits():
-    merges = (2, 4, 8, 16, 32, 64)
+    merges = (2, 4, 8, 16, 32, 64, 128)
     # H200 (132 units), 8 KV heads, b32 x 4096 keys: 256 items, 8 per unit
     # wants 4 splits.
     assert merged_decode_splits(32 * 8, 132, 4096, merges) == 4
-    assert merged_decode_splits(1 * 8, 132, 32768, merges) == 64  # MAX_SPLITS
-    assert merged_decode_splits(1 * 8, 132, 4096, merges) == 8  # 512 keys per split
+    assert merged_decode_splits(1 * 8, 132, 32768, merges) == 128  # MAX_MERGED_SPLITS
+    assert merged_decode_splits(1 * 8, 132, 32768, merges[:-1]) == 64  # the most available
+    assert merged_decode_splits(1 * 8, 132, 4096, merges) == 16  # 256 keys per split
     assert merged_decode_splits(4 * 8, 132, 32768, merges) == 32
     assert merged_decode_splits(64 * 8, 132, 4096, merges) == 2
     assert merged_decode_splits(128 * 8, 132, 4096, merges) == 1  # 8 items per unit already
     assert merged_decode_splits(32 * 8, 132, 4096, (8, 16)) == 1  # none available within the target
-    assert merged_decode_splits(8, 132, 600, merges) == 1
+    assert merged_decode_splits(8, 132, 500, merges) == 1
     assert merged_decode_splits(0, 132, 4096, merges) == 1
 
 

@@ -38,6 +38,12 @@ MAX_SPLITS = 64
 # that merges them in the module (Variant.merge_splits) a decode splits only
 # when it has fewer items than compute units.
 DECODE_ITEMS_PER_UNIT = 8
+# Splits whose partials the module merges (Variant.merge_splits) cost no
+# host merge, and shorter ones paid off: on the H200, b1 x 32k keys ran its
+# attention dispatch in 85 us as 64 splits of 512 keys and in 59 us as 128
+# of 256 (docs/h200_split_count.log).
+MIN_KEYS_PER_MERGED_SPLIT = 256
+MAX_MERGED_SPLITS = 128
 # The kernel arguments each run brings, first in the signature's order; a
 # plan holds the rest.
 PER_RUN_ARGS = ("q", "k_cache", "v_cache")
@@ -252,11 +258,11 @@ def merged_decode_splits(work_items: int, units: int, keys: int, available) -> i
     """Splits for a group-padded decode of `work_items` (sequence, KV head)
     pairs whose partials a variant merges in the module (`available`: the
     merge_splits those variants have): the most that keeps within
-    DECODE_ITEMS_PER_UNIT items per compute unit and MIN_KEYS_PER_SPLIT keys
-    per split; 1 when no available count fits."""
+    DECODE_ITEMS_PER_UNIT items per compute unit and MIN_KEYS_PER_MERGED_SPLIT
+    keys per split; 1 when no available count fits."""
     if work_items <= 0:
         return 1
-    want = min(MAX_SPLITS, keys // MIN_KEYS_PER_SPLIT, DECODE_ITEMS_PER_UNIT * units // work_items)
+    want = min(MAX_MERGED_SPLITS, keys // MIN_KEYS_PER_MERGED_SPLIT, DECODE_ITEMS_PER_UNIT * units // work_items)
     return max((n for n in available if 1 < n <= want), default=1)
 
 

@@ -260,7 +260,7 @@ GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 # count, 64 and 32 where short keys or small batches make fewer entries (a
 # call that takes two launches pays ~0.5 ms more on the host than one that
 # takes one: docs/perf-notes.md).
-MERGED_DECODE_TILES = (tuple((128, n) for n in (2, 4, 8, 16, 32, 64)) + tuple((64, n) for n in (8, 16, 32, 64))
+MERGED_DECODE_TILES = (tuple((128, n) for n in (2, 4, 8, 16, 32, 64, 128)) + tuple((64, n) for n in (8, 16, 32, 64))
                        + tuple((32, n) for n in (4, 8, 16, 32)))
 MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
