@@ -12,6 +12,8 @@ import pytest
 import turbine_fmha
 from conftest import LSE_TOL, OUT_TOL, make_problem, run_and_check
 from test_validation import _TrapSession
+from test_kv_write import _check_rotated, _rope
+from turbine_fmha.cache import aligned_zeros
 from turbine_fmha.flash_attn import flash_attn_with_kvcache
 from turbine_fmha.reference import fmha_fwd_paged_ref
 
@@ -184,9 +186,11 @@ def test_flash_attn_with_kvcache_dense(explicit_session, rng):
 
 
 FLASH_BAD = {
-    "append_k": (dict(k="k"), NotImplementedError, ["k/v", "k_cache"]),
-    "append_v": (dict(v="v"), NotImplementedError, ["k/v"]),
-    "rotary": (dict(rotary_cos="cos", rotary_sin="sin"), NotImplementedError, ["rotary_cos/rotary_sin"]),
+    "append_k_alone": (dict(k="k"), ValueError, ["k and v come together"]),
+    "append_v_alone": (dict(v="v"), ValueError, ["k and v come together"]),
+    "rotary_without_k": (dict(rotary_cos="cos", rotary_sin="sin"), NotImplementedError,
+                         ["rotary_cos/rotary_sin without k/v"]),
+    "append_without_seqlens": (dict(k="k", v="v"), ValueError, ["cache_seqlens is required"]),
     "paged_batch_idx": (dict(cache_batch_idx=np.zeros(2, np.int32), paged=True), ValueError,
                         ["cache_batch_idx", "block_table"]),
     "num_splits": (dict(num_splits=-1), ValueError, ["num_splits"]),
@@ -208,3 +212,95 @@ def test_flash_attn_with_kvcache_refuses(trap, rng, case):
         flash_attn_with_kvcache(q, k, v, session=trap, **kw)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+APPEND_CASES = {  # (paged, rotary: None / "interleaved" / "halves", causal)
+    "paged": (True, None, False),
+    "paged_rotary_interleaved_causal": (True, "interleaved", True),
+    "paged_rotary_halves": (True, "halves", False),
+    "dense_rotary_causal": (False, "interleaved", True),
+}
+
+
+def _aligned(a):
+    out = aligned_zeros(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
+def _appended(rng, paged, lens, new):
+    """q, caches with room for `new` keys after `lens`, the block table (or
+    the dense rows), the new K/V, and the slot of each new key."""
+    if paged:
+        q, kc, vc, bt, _ = make_problem(rng, dtype="f16", batch=len(lens), seqlen_q=new, seqlens_k=list(lens + new),
+                                        nhead_q=8, nhead_k=2, hdim=64, page=16)
+        pos = lens[:, None] + np.arange(new)
+        slots = np.take_along_axis(bt, pos // 16, axis=1) * 16 + pos % 16
+    else:
+        kc, vc = _dense(rng, batch_cache=4)
+        q = rng.standard_normal((len(lens), new, 8, 64)).astype(np.float16)
+        bt = np.array([3, 0, 2], np.int32)[: len(lens)]  # the cache rows (cache_batch_idx)
+        slots = bt[:, None] * kc.shape[1] + lens[:, None] + np.arange(new)
+    k_new = rng.standard_normal((len(lens), new, 2, 64)).astype(np.float16)
+    v_new = rng.standard_normal((len(lens), new, 2, 64)).astype(np.float16)
+    return q, _aligned(kc), _aligned(vc), bt, k_new, v_new, slots.reshape(-1)
+
+
+@pytest.mark.parametrize("case", sorted(APPEND_CASES))
+def test_flash_attn_with_kvcache_appends(explicit_session, rng, case):
+    """flash-attn's in-call append: the new keys land at cache_seqlens + i
+    (rotated first with rotary, q too), nothing else in the caches moves,
+    and attention sees them."""
+    paged, rotary, causal = APPEND_CASES[case]
+    lens, new = np.array([30, 5, 17], np.int32), 3
+    q, kc, vc, tab, k_new, v_new, slots = _appended(rng, paged, lens, new)
+    kc0, vc0 = kc.copy(), vc.copy()
+    kw = dict(block_table=tab) if paged else dict(cache_batch_idx=tab)
+    if rotary:
+        theta = rng.uniform(0, 2 * np.pi, (64, 16))  # rotary_dim 32 < hdim 64
+        cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        kw.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary == "interleaved")
+    mask = dict(mask_type="bottom_right", window_size_right=0) if causal else {}
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lens, causal=causal,
+                                       return_softmax_lse=True, session=explicit_session, **kw)
+    pos = (lens[:, None] + np.arange(new)).reshape(-1)
+    flat_k, flat_v = kc.reshape(-1, 2, 64), vc.reshape(-1, 2, 64)
+    if rotary:
+        _check_rotated(flat_k[slots], k_new.reshape(-1, 2, 64), pos, cos, sin, rotary == "interleaved",
+                       "float16", "new keys")
+        q_pos = pos if causal else np.repeat(lens, new)  # flash-attn: q rotated with the keys when causal/local
+        q_ref = _rope(q.reshape(-1, 8, 64), q_pos, cos, sin, rotary == "interleaved")[0].reshape(q.shape)
+    else:
+        np.testing.assert_array_equal(flat_k[slots], k_new.reshape(-1, 2, 64))
+        q_ref = q
+    np.testing.assert_array_equal(flat_v[slots], v_new.reshape(-1, 2, 64))
+    rest = np.setdiff1d(np.arange(flat_k.shape[0]), slots)
+    np.testing.assert_array_equal(flat_k[rest].view(np.uint16), kc0.reshape(-1, 2, 64)[rest].view(np.uint16))
+    np.testing.assert_array_equal(flat_v[rest].view(np.uint16), vc0.reshape(-1, 2, 64)[rest].view(np.uint16))
+    if paged:
+        ref, ref_lse = fmha_fwd_paged_ref(q_ref, kc, vc, tab, lens + new, **mask)
+    else:
+        ref, ref_lse = _dense_ref(q_ref, kc, vc, tab, lens + new, **mask)
+    _close(out, ref, lse, ref_lse)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_flash_attn_with_kvcache_append_failure_leaves_the_caches(explicit_session, rng, kind):
+    """A call whose attention fails after its append (soft-cap with ALiBi is
+    refused there) gets the overwritten rows back; an append past the
+    block table's capacity is refused before anything is written."""
+    lens, new = np.array([30, 5, 17], np.int32), 3
+    q, kc, vc, bt, k_new, v_new, _ = _appended(rng, True, lens, new)
+    kc0, vc0 = kc.copy(), vc.copy()
+    if kind == "torch":
+        import torch
+
+        q, kc, vc, k_new, v_new = (torch.from_numpy(a) for a in (q, kc, vc, k_new, v_new))
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lens, block_table=bt, softcap=5.0,
+                                alibi_slopes=np.ones(8, np.float32), session=explicit_session)
+    with pytest.raises(ValueError, match="cache_seqlens\\[0\\]"):
+        flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=np.array([bt.shape[1] * 16 - 1, 5, 17]),
+                                block_table=bt, session=explicit_session)
+    np.testing.assert_array_equal(np.asarray(kc).view(np.uint16), kc0.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(vc).view(np.uint16), vc0.view(np.uint16))

@@ -8,7 +8,8 @@
 - `flash_attn_with_kvcache`: flash-attn's function of that name, with its
   argument names and semantics.
 
-Nothing here imports torch or touches array data: it runs as it is inside
+Nothing here imports torch or touches array data, except the in-call
+appends (which refuse to run traced): it runs as it is inside
 torch.compile, before the call reaches the registered op (torch_ops).
 """
 
@@ -126,40 +127,57 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     returns +inf; the output is 0 in both). Conflicting arguments raise
     instead of one silently winning: causal=True with a positive
     window_size[1], cache_batch_idx with block_table, softcap with
-    alibi_slopes (ck_tile forbids it). In-call appends (k, v) and rotary
-    embedding (rotary_cos, rotary_sin) raise NotImplementedError:
-    append to the cache (PagedKVCache.append) and rotate q and the keys
-    first; rotary_interleaved, which only shapes the rotary embedding, is
-    accepted and unused. `session` and `device` are as in fmha_fwd_paged.
+    alibi_slopes (ck_tile forbids it). `session` and `device` are as in
+    fmha_fwd_paged.
+
+    In-call appends, as in flash-attn: k, v [batch, seqlen_new, nheads_k,
+    headdim] are written into the caches in place (reshape_and_cache) at
+    positions cache_seqlens[b] + i (required with them), through
+    block_table or into cache row cache_batch_idx[b], and attention sees
+    cache_seqlens + seqlen_new keys. With rotary_cos / rotary_sin
+    [seqlen_ro, rotary_dim / 2] the new keys are rotated at their positions
+    before the write, and q at positions cache_seqlens + i when causal or
+    local (else all rows at cache_seqlens); rotary_interleaved picks
+    GPT-J's pairs (flash-attn's default) or GPT-NeoX's halves. If the
+    attention then fails, the overwritten cache rows are restored. Not
+    inside torch.compile, and rotary not with cache_leftpad.
     """
     from .api import _compiling, fmha_fwd_kvcache, fmha_fwd_paged
 
-    if k is not None or v is not None:
-        raise NotImplementedError("k/v (appending new keys inside the attention call) are not supported: write "
-                                  "them into k_cache/v_cache first (e.g. PagedKVCache.append) and count them in "
-                                  "cache_seqlens")
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("rotary_cos/rotary_sin (rotary embedding inside the attention call) are not "
-                                  "supported: apply the rotary embedding to q and to the keys before the call")
-    if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
-        raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap with any bias)")
-    splits = check_int(num_splits, "num_splits", minimum=0)
-    common = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, logits_soft_cap=softcap,
-                  alibi_slopes=alibi_slopes, num_splits=splits or None, return_lse=return_softmax_lse,
-                  session=session, device=device)
+    undo = None
+    if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
+        if _compiling():
+            raise NotImplementedError("k/v and rotary_cos/rotary_sin (in-call appends and rotary) are not "
+                                      "supported inside torch.compile: write the keys first (reshape_and_cache)")
+        q, cache_seqlens, undo = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                                         cache_leftpad, (rotary_cos, rotary_sin, rotary_interleaved),
+                                         causal or (window_size is not None and tuple(window_size) != (-1, -1)), session,
+                                         device)
     eager = not _compiling()
-    if block_table is None:
+    try:
+        if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
+            raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap "
+                             "with any bias)")
+        splits = check_int(num_splits, "num_splits", minimum=0)
+        common = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, logits_soft_cap=softcap,
+                      alibi_slopes=alibi_slopes, num_splits=splits or None, return_lse=return_softmax_lse,
+                      session=session, device=device)
+        if block_table is None:
+            seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
+            return fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, cache_batch_idx=cache_batch_idx,
+                                    kv_offset=cache_leftpad, **common)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
+                             "sequence's pages are its block_table row")
+        if cache_seqlens is None:  # flash-attn: each sequence fills its block table row
+            bt, kc = tuple(getattr(block_table, "shape", ())), tuple(getattr(k_cache, "shape", ()))
+            cache_seqlens = int(bt[1]) * int(kc[1]) if len(bt) == 2 and len(kc) == 4 else 0
         seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
-        return fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, cache_batch_idx=cache_batch_idx,
-                                kv_offset=cache_leftpad, **common)
-    if cache_batch_idx is not None:
-        raise ValueError("cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
-                         "sequence's pages are its block_table row")
-    if cache_seqlens is None:  # flash-attn: each sequence fills its block table row
-        bt, kc = tuple(getattr(block_table, "shape", ())), tuple(getattr(k_cache, "shape", ()))
-        cache_seqlens = int(bt[1]) * int(kc[1]) if len(bt) == 2 and len(kc) == 4 else 0
-    seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
-    return fmha_fwd_paged(q, k_cache, v_cache, block_table, seqlen_k, kv_offset=cache_leftpad, **common)
+        return fmha_fwd_paged(q, k_cache, v_cache, block_table, seqlen_k, kv_offset=cache_leftpad, **common)
+    except BaseException:
+        if undo is not None:  # the call failed: the caches get their old rows back
+            undo()
+        raise
 
 
 def _leftpad(seqlen_k, cache_leftpad, *, eager: bool):
@@ -178,3 +196,83 @@ def _leftpad(seqlen_k, cache_leftpad, *, eager: bool):
         b = int(bad[0])
         raise ValueError(f"cache_leftpad[{b}] = {pad[b]} is past cache_seqlens[{b}] = {ends[b]}")
     return ends.astype(np.int64) - pad
+
+
+def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary,
+            has_mask, session, device):
+    """flash-attn's in-call append (see flash_attn_with_kvcache). Returns
+    (q, rotated when rotary is given; the key counts after the append; a
+    function that writes the overwritten rows back, or None for caches
+    this side cannot read)."""
+    from .kv_write import reshape_and_cache
+
+    cos, sin, interleaved = rotary
+    if k is None or v is None:
+        if k is not None or v is not None:
+            raise ValueError("k and v come together: pass both new keys and new values, or neither")
+        raise NotImplementedError("rotary_cos/rotary_sin without k/v (rotating q alone) is not supported: "
+                                  "rotate q before the call")
+    if (cos is None) != (sin is None):
+        raise ValueError("rotary_cos and rotary_sin come together")
+    if cos is not None and cache_leftpad is not None:
+        raise NotImplementedError("rotary_cos/rotary_sin with cache_leftpad is not supported")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required with k/v: the new keys go after cache_seqlens[b] keys")
+    k_shape, kc_shape = tuple(getattr(k, "shape", ())), tuple(getattr(k_cache, "shape", ()))
+    if len(k_shape) != 4 or len(kc_shape) != 4:
+        raise ValueError(f"k must be [batch, seqlen_new, nheads_k, headdim] and k_cache 4-D, got shapes "
+                         f"{k_shape} and {kc_shape}")
+    lens = int_array(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), "cache_seqlens", 1).astype(np.int64)
+    if lens.shape[0] != k_shape[0]:
+        raise ValueError(f"cache_seqlens has {lens.shape[0]} entries, k a batch of {k_shape[0]}")
+    pos = lens[:, None] + np.arange(k_shape[1])[None, :]
+    slots = _append_slots(pos, kc_shape, block_table, cache_batch_idx)
+    old = _rows(k_cache, slots), _rows(v_cache, slots)
+    rot = dict(q=q, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=bool(interleaved), seqlen_k=lens,
+               has_mask=has_mask) if cos is not None else {}
+    rotated = reshape_and_cache(k, v, k_cache, v_cache, slots, session=session, device=device, **rot)
+
+    def undo():
+        reshape_and_cache(*old, k_cache, v_cache, slots, session=session, device=device)
+
+    return (q if rotated is None else rotated), lens + k_shape[1], (undo if old[0] is not None else None)
+
+
+def _append_slots(pos: np.ndarray, kc_shape: tuple, block_table, cache_batch_idx) -> np.ndarray:
+    """The cache slot (page * page_size + row) of each new key's position:
+    through block_table, or in row cache_batch_idx[b] (default b) of a
+    non-paged cache, seen as pages of a whole row."""
+    rows = kc_shape[1]
+    if block_table is not None:
+        bt = int_array(block_table, "block_table", 2)
+        cap = bt.shape[1] * rows
+        pages = np.minimum(pos // rows, bt.shape[1] - 1)
+        page_ids = np.take_along_axis(bt, pages, axis=1)
+    else:
+        cap = rows
+        idx = np.arange(pos.shape[0]) if cache_batch_idx is None else int_array(cache_batch_idx, "cache_batch_idx", 1)
+        if idx.shape[0] != pos.shape[0]:
+            raise ValueError(f"cache_batch_idx has {idx.shape[0]} entries, expected batch = {pos.shape[0]}")
+        page_ids = np.broadcast_to(idx[:, None], pos.shape)
+    over = np.nonzero(pos[:, -1] >= cap)[0] if pos.shape[1] else []
+    if len(over):
+        b = int(over[0])
+        raise ValueError(f"cache_seqlens[{b}] = {pos[b, 0]} plus {pos.shape[1]} new keys exceeds the cache's "
+                         f"{cap} positions for sequence {b}")
+    bad = np.nonzero((page_ids < 0) | (page_ids >= kc_shape[0]))
+    if bad[0].size:
+        b, i = int(bad[0][0]), int(bad[1][0])
+        raise ValueError(f"new key {i} of sequence {b} lands on page {page_ids[b, i]}, outside the cache's "
+                         f"{kc_shape[0]} pages")
+    return (page_ids.astype(np.int64) * rows + pos % rows).astype(np.int32)
+
+
+def _rows(cache, slots: np.ndarray):
+    """The cache rows at `slots` (a copy), or None for an IREE DeviceArray."""
+    if not hasattr(cache, "reshape") or not hasattr(cache, "shape") or type(cache).__name__ == "DeviceArray":
+        return None
+    flat = cache.reshape(-1, *tuple(cache.shape)[2:])
+    if _is_torch(cache):
+        torch = sys.modules["torch"]
+        return flat[torch.as_tensor(slots, device=cache.device).long()].clone()
+    return flat[slots].copy()
