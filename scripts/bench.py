@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -184,8 +185,10 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     if tiles:
         variant = online_variant(problem, *tiles, v_guard=v_guard)
     else:
+        mask = MaskSpec(kw["mask_type"], kw.get("window_size_left", -1), kw.get("window_size_right", -1),
+                        kw.get("sink_size", 0))
         variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard,
-                                 merge=num_splits if merged else 0)
+                                 merge=num_splits if merged else 0, skips_masked=mask.has_right_edge)
     loaded = session._load(variant)
     device = session._iree_config().device
     slopes = kw.get("alibi_slopes")
@@ -321,7 +324,8 @@ def bench_split_kv(session, rng, dtype, repeat, no_torch):
 def bench_block_skipping(session, rng, dtype, repeat):
     """Causal prefill computing every block vs skipping those past the
     diagonal (CPU: row chunks of MASKED_CHUNK_ROWS; GPU: q128 tiles vs one
-    4096-row tile)."""
+    4096-row tile, and the row tiles $BENCH_PREFILL_TILES lists, e.g.
+    "512,1024", where the artifacts have them)."""
     shape = SHAPES[session.device][1]
     inputs = make_inputs(rng, shape, dtype)
     flops = 4.0 * shape["batch"] * HQ * D * visible_elements(shape["seqlen_q"], shape["seqlen_k"], shape["mask"])
@@ -333,7 +337,8 @@ def bench_block_skipping(session, rng, dtype, repeat):
     else:
         from turbine_fmha.variants import GPU_PREFILL_TILES
 
-        configs = [(f"tile b{bt} q{mq}", dict(tiles=(bt, mq))) for bt, mq in GPU_PREFILL_TILES]
+        extra = tuple((1, int(t)) for t in os.environ.get("BENCH_PREFILL_TILES", "").split(",") if t)
+        configs = [(f"tile b{bt} q{mq}", dict(tiles=(bt, mq))) for bt, mq in sorted(set(GPU_PREFILL_TILES + extra))]
     saved = tf_plan.MASKED_CHUNK_ROWS
     try:
         for label, cfg in configs:

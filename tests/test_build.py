@@ -32,12 +32,13 @@ def test_default_names_unchanged():
     (Changed on purpose with the group-padded decode and its 64/128 batch
     tiles: the GPU set's decode names gained _m16; then the decodes that
     merge split-KV partials in the module, _x<n>, were added, and the fp8
-    KV caches' online decode variants; then the 128-split merges.)"""
+    KV caches' online decode variants; then the 128-split merges and the
+    1024-row prefill tile.)"""
     names = sorted(v.name for v in gpu_default_set() + host_default_set())
     names += sorted(a.name for gpu in (False, True) for a in default_append_kernels(gpu))
-    assert len(names) == 592
+    assert len(names) == 608
     digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
-    assert digest == "de551f1b4920efe3ee0b62a7efe40764b9d66aab5ba906f4c44e2fd01faebe52"
+    assert digest == "2012a7407a77daf7021a50894fc0400145f3ba20ffc806d8cc240f6cdfa56609"
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

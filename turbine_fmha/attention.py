@@ -194,7 +194,7 @@ class _Plan:
         v = self._variants.get(rows_finite)
         if v is None:
             v = self._variants[rows_finite] = self.session.select(self.key, self.rows, self.call.batch, rows_finite,
-                                                                  self.merge)
+                                                                  self.merge, self.p.scores.mask.has_right_edge)
         return v
 
     def _device_steps(self, variant, results) -> list:

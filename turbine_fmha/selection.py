@@ -19,6 +19,22 @@ def _problem_key(problem: dict) -> tuple:
     return tuple(sorted(problem.items()))
 
 
+# What one more prefill launch costs, in score elements (query rows x keys)
+# of work: fit to the H200's causal 4096 prefill cut at the diagonal in row
+# tiles of 512-4096 (docs/perf-notes.md, "Causal prefill in 1024-row
+# chunks": time ~ 0.23 ms per million elements + 0.31 ms per launch).
+PREFILL_LAUNCH_ELEMENTS = 1_400_000
+
+
+def prefill_tile_cost(rows: int, tile: int) -> int:
+    """The modelled cost of a causal prefill of `rows` query rows in chunks
+    of `tile` rows, each cut at its diagonal (plan._pages_needed): the
+    score elements computed, with as many keys as rows, plus
+    PREFILL_LAUNCH_ELEMENTS per launch."""
+    chunks = -(-rows // tile)
+    return sum(tile * min(rows, (c + 1) * tile) for c in range(chunks)) + chunks * PREFILL_LAUNCH_ELEMENTS
+
+
 class VariantSelection:
     """Mixed into Session: needs `_by_problem`, `formulation`,
     `compile_missing`, `target` and `artifact_dir`."""
@@ -31,15 +47,17 @@ class VariantSelection:
                 f"pip install 'turbine-fmha[build]').")
 
     def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False,
-               merge: int = 0) -> Variant:
+               merge: int = 0, skips_masked: bool = False) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem) that merges `merge` split-KV entries per sequence
         (0: none; `batch` counts entries); among static (online) variants,
         the one that pads least, then the one with the fewest launches
-        (for a decode: the fewest launches, then the least padding), then
-        one without the stale-row guard, which is allowed only when
-        stale_rows_finite says the V rows holding no key are finite
-        (plan.stale_rows_finite)."""
+        (for a decode: the fewest launches, then the least padding; for a
+        prefill whose mask has a right edge, `skips_masked`, so that each
+        chunk skips the blocks past its diagonal: the least
+        prefill_tile_cost), then one without the stale-row guard, which is
+        allowed only when stale_rows_finite says the V rows holding no key
+        are finite (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem, seqlen_q == 1)
         cands = [
             v for v in self._by_problem.get(_problem_key(problem), [])
@@ -65,7 +83,10 @@ class VariantSelection:
             btiles = -(-batch // v.batch_tile)
             qtiles = -(-seqlen_q // v.seqlen_q_tile)
             padded, launches = btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles
-            return ((launches, padded) if seqlen_q == 1 else (padded, launches)) + (v.v_guard,)
+            if seqlen_q == 1:
+                return launches, padded, v.v_guard
+            return padded, btiles * prefill_tile_cost(seqlen_q, v.seqlen_q_tile) if skips_masked else launches, \
+                v.v_guard
 
         return min(cands, key=cost)
 
