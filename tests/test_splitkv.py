@@ -170,8 +170,9 @@ def test_online_decode_pads_the_group_and_splits(rng):
     used = s.last_variant
     assert used.group_rows == MMA_ROWS and used.padded_group == MMA_ROWS
     # 2 (sequences) x 2 (KV heads) items on 8 units: split, 1500 keys allow
-    # 2 splits of 512 keys, merged in the module with the sinks.
-    assert used.merge_splits == 2 and used.sinks
+    # 4 splits of 256 keys (plan.MIN_KEYS_PER_MERGED_SPLIT), merged in the
+    # module with the sinks.
+    assert used.merge_splits == 4 and used.sinks
 
 
 def test_decode_splits():
