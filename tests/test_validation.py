@@ -13,8 +13,10 @@ from conftest import make_problem, run_and_check
 class _TrapSession(turbine_fmha.Session):
     """A session whose kernels must never be reached."""
 
-    def run_variant(self, *a, **k):  # pragma: no cover - reaching it fails the test
+    def run_variants(self, *a, **k):  # pragma: no cover - reaching it fails the test
         raise AssertionError("kernel ran on invalid input")
+
+    run_variant = run_variants
 
     def select(self, *a, **k):
         raise AssertionError("variant selected for invalid input")

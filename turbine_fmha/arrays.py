@@ -214,24 +214,25 @@ class _Results:
             a[...] = fill
         return a
 
-    def run(self, variant, *args, stats=False):
+    def run(self, variant, arg_lists, stats=False) -> list:
+        """Session.run_variants' results, as this object's kind of arrays."""
         if self.torch_device is None:
-            return self.session.run_variant(variant, *args, stats=stats)
+            return self.session.run_variants(variant, arg_lists, stats=stats)
         if self.torch_device.type == "cpu":
-            args = [_to_numpy(a, "q") if _is_torch(a) else a for a in args]
+            arg_lists = [[_to_numpy(a, "q") if _is_torch(a) else a for a in args] for args in arg_lists]
         else:
-            # On the GPU every argument goes in as torch memory imported
-            # through DLPack: q as padded on the device, the small host
-            # arrays after one copy each. IREE's own per-call uploads
-            # allocated device memory for each, which cost more than the
-            # kernel (scripts/api_profile.py).
+            # On the GPU every argument goes in as torch memory imported through
+            # DLPack: q as padded on the device, the small host arrays after one
+            # copy each. IREE's own per-call uploads allocated device memory
+            # for each, which cost more than the kernel (scripts/api_profile.py).
             import torch
 
-            args = [a if _is_device_array(a) else self.session.import_torch(
+            arg_lists = [[a if _is_device_array(a) else self.session.import_torch(
                 a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True))
-                for a in args]
+                for a in args] for args in arg_lists]
             torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
-        return self.session.to_torch(*self.session.run_variant(variant, *args, on_device=True, stats=stats))
+        return [self.session.to_torch(*r)
+                for r in self.session.run_variants(variant, arg_lists, on_device=True, stats=stats)]
 
     def upload(self, arrays: list) -> list:
         """Small host arrays as kernel arguments on the session's device: IREE

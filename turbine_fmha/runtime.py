@@ -265,14 +265,25 @@ class Session(VariantSelection, DeviceInterop):
         lse), plus each row's max score and sum with stats=True (what the
         split-KV merge needs), as numpy arrays, or as the session device's
         DeviceArrays with on_device=True (see to_torch)."""
+        return self.run_variants(variant, [args], on_device=on_device, stats=stats)[0]
+
+    def run_variants(self, variant: Variant, arg_lists, on_device: bool = False, stats: bool = False) -> list:
+        """run_variant's results for each argument list, the calls queued
+        back to back with one wait at the end (a chunked prefill's calls no
+        longer wait for each other on the host)."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
-        res = loaded.invoke(list(args), 4 if stats else 2)
+        calls = []
+        for args in arg_lists:
+            calls.append(loaded.enqueue(list(args), after=calls[-1] if calls else None))
+        if calls:
+            calls[-1].wait()  # each call waited for the one before it
+        res = [c.results(4 if stats else 2) for c in calls]
         if on_device:
             return res
         # Only the results asked for are copied (a copy back from a GPU
         # costs ~0.2 ms however small).
-        return tuple(r.to_host() for r in res)
+        return [tuple(r.to_host() for r in one) for one in res]
 
 ENV_CPU_THREADS = "TURBINE_FMHA_CPU_THREADS"
 # Worker threads of Session.submit (calls in flight at once per session).
