@@ -41,40 +41,55 @@ def _back_to_back(fn, calls: int, warmup: int = 5) -> float:
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+def decode_problem(rng, batch: int, keys: int):
+    """A decode of `batch` x `keys` over shuffled pages, on the GPU:
+    (pages, block table, seqlen_k, q, k cache, v cache)."""
+    import torch
+
+    width = keys // PAGE
+    pages = batch * width
+    bt = rng.permutation(pages).astype(np.int32).reshape(batch, width)
+    k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
+    q = torch.randn(batch, 1, HQ, D, dtype=torch.float16, device="cuda")
+    return pages, bt, np.full(batch, keys, np.int32), q, k, torch.randn_like(k)
+
+
+def dispatch_times(fn, calls: int) -> dict:
+    """Device microseconds per call of `fn` by kernel name (CUPTI)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per[e.name] += e.device_time / calls
+    return per
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import turbine_fmha
 
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)
     for batch, keys, kv in SHAPES:
-        width = keys // PAGE
-        pages = batch * width
-        bt = rng.permutation(pages).astype(np.int32).reshape(batch, width)
-        sk = np.full(batch, keys, np.int32)
-        k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
+        pages, bt, sk, q, k, v = decode_problem(rng, batch, keys)
         if kv:
             k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        q = torch.randn(batch, 1, HQ, D, dtype=torch.float16, device="cuda")
         attn = turbine_fmha.PagedAttention(session).plan(
             bt, sk, num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
             kv_dtype=k.dtype if kv else None, kv_rows_finite=True)
         call_ms = _back_to_back(lambda: attn.run(q, k, v), args.calls, warmup=10)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.calls):
-                attn.run(q, k, v)
-            torch.cuda.synchronize()
-        per = collections.defaultdict(float)
-        for e in prof.events():
-            if e.device_type.name == "CUDA":
-                per[e.name] += e.device_time / args.calls
+        per = dispatch_times(lambda: attn.run(q, k, v), args.calls)
         variant = attn._plan._variant(attn._plan.guard_free)
         kv_gbs = batch * keys * HK * D * 2 * (1 if kv else 2) / (call_ms * 1e-3) / 1e9
         print(f"decode b{batch} x {keys}{' ' + kv if kv else ''}: run() back to back {call_ms:.3f} ms ({kv_gbs:.0f} GB/s of KV), "

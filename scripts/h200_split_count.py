@@ -12,14 +12,13 @@ gather+SDPA in the same process.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from h200_dispatch_profile import _back_to_back  # noqa: E402
+from h200_dispatch_profile import _back_to_back, decode_problem, dispatch_times  # noqa: E402
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 
@@ -43,8 +42,6 @@ def main() -> int:
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args()
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import turbine_fmha
     from turbine_fmha.reference import fmha_fwd_paged_ref
@@ -52,13 +49,7 @@ def main() -> int:
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)
     for batch, keys in ((1, 32768), (4, 32768)):
-        width = keys // PAGE
-        pages = batch * width
-        bt = rng.permutation(pages).astype(np.int32).reshape(batch, width)
-        sk = np.full(batch, keys, np.int32)
-        k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
-        q = torch.randn(batch, 1, HQ, D, dtype=torch.float16, device="cuda")
+        pages, bt, sk, q, k, v = decode_problem(rng, batch, keys)
         ref, _ = fmha_fwd_paged_ref(*(t.cpu().numpy() for t in (q, k, v)), bt, sk)
         print(f"decode b{batch} x {keys}: torch gather+SDPA {_torch_ms(q, k, v, bt, keys, args.calls):.3f} ms")
         for n in (16, 32, 64, 128):
@@ -73,14 +64,7 @@ def main() -> int:
             part = attn._plan.parts[0]
             err = float(np.abs(out.float().cpu().numpy() - ref).max() / np.abs(ref).max())
             ms = _back_to_back(lambda: attn.run(q, k, v), args.calls, warmup=10)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.calls):
-                    attn.run(q, k, v)
-                torch.cuda.synchronize()
-            per = collections.defaultdict(float)
-            for e in prof.events():
-                if e.device_type.name == "CUDA":
-                    per[e.name] += e.device_time / args.calls
+            per = dispatch_times(lambda: attn.run(q, k, v), args.calls)
             name = part._variant(True).name
             print(f"  splits {part.splits} (merged {part.merge}): run() back to back {ms:.3f} ms, rel err {err:.1e} ({'ok' if err < 5e-3 else 'FAILED'}), "
                   f"{name}; dispatches {len(per)}, device sum {sum(per.values()):.1f} us")
