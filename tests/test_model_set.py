@@ -70,10 +70,13 @@ def _calls(shape: ModelShape, online: bool):
     where the formulation serves it)."""
     masks = ("none", "bottom_right") if online else ("none", "bottom_right", "top_left")
     for batch, rows, keys in ((1, 1, 3000), (8, 1, 700), (32, 1, 100), (40, 1, 50), (64, 1, 50), (128, 1, 30),
-                              (1, 100, 300), (1, 4096, 4096)):
+                              (1, 100, 300), (1, 2000, 2000), (1, 4096, 4096)):
         for mask in masks:
             for splits in ((None, 3) if rows == 1 else (None,)):
                 yield batch, rows, keys, mask, splits
+    # A sliding window without a right edge computes every block: one long
+    # launch, unlike a causal prefill's chunks cut at the diagonal.
+    yield 1, 4096, 4096, "bottom_right_left_window", None
     # Decodes whose splits a variant merges in the module: each (tile, count)
     # filled exactly by batch x count entries.
     for tile, n in MERGED_DECODE_TILES if online else ():
@@ -86,11 +89,13 @@ def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:
     for batch, rows, keys, mask, splits in _calls(shape, online):
         width = -(-keys // page)
         bt = np.arange(batch * width, dtype=np.int32).reshape(batch, width)
+        window = dict(window_size_left=256, window_size_right=-1) if mask.endswith("_left_window") else \
+            dict(window_size_right=0 if mask != "none" else -1)
         attn = turbine_fmha.PagedAttention(session).plan(
             bt, np.full(batch, keys, np.int32), num_pages=batch * width, page_block_size=page,
             nhead_q=shape.nhead_q, nhead_k=shape.nhead_k, hdim=shape.hdim_q, hdim_v=shape.hdim_v,
-            dtype=shape.dtype, seqlen_q=rows, mask_type=mask, window_size_right=0 if mask != "none" else -1,
-            num_splits=splits)
+            dtype=shape.dtype, seqlen_q=rows, mask_type=mask.removesuffix("_left_window"), num_splits=splits,
+            **window)
         chosen |= {attn._plan._variant(finite) for finite in (False, True)}
     return chosen
 
