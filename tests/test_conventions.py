@@ -191,6 +191,8 @@ FLASH_BAD = {
     "rotary_without_k": (dict(rotary_cos="cos", rotary_sin="sin"), NotImplementedError,
                          ["rotary_cos/rotary_sin without k/v"]),
     "append_without_seqlens": (dict(k="k", v="v"), ValueError, ["cache_seqlens is required"]),
+    "append_negative_seqlens": (dict(k="knew", v="vnew", cache_seqlens=np.array([3, -1], np.int32), paged=True),
+                                ValueError, ["cache_seqlens[1] = -1"]),
     "paged_batch_idx": (dict(cache_batch_idx=np.zeros(2, np.int32), paged=True), ValueError,
                         ["cache_batch_idx", "block_table"]),
     "num_splits": (dict(num_splits=-1), ValueError, ["num_splits"]),
@@ -208,6 +210,9 @@ def test_flash_attn_with_kvcache_refuses(trap, rng, case):
     q, k, v, bt, _ = _small(rng)
     if kw.pop("paged", False):
         kw["block_table"] = bt
+    for name in ("k", "v"):  # new rows of the right shape where the case wants them
+        if isinstance(kw.get(name), str) and kw[name] == name + "new":
+            kw[name] = np.zeros((2, 1, 2, 64), np.float16)
     with pytest.raises(exc) as info:
         flash_attn_with_kvcache(q, k, v, session=trap, **kw)
     for w in words:

@@ -225,6 +225,9 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_i
     lens = int_array(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), "cache_seqlens", 1).astype(np.int64)
     if lens.shape[0] != k_shape[0]:
         raise ValueError(f"cache_seqlens has {lens.shape[0]} entries, k a batch of {k_shape[0]}")
+    if (lens < 0).any():
+        b = int(np.argmax(lens < 0))
+        raise ValueError(f"cache_seqlens[{b}] = {lens[b]} is negative")
     pos = lens[:, None] + np.arange(k_shape[1])[None, :]
     slots = _append_slots(pos, kc_shape, block_table, cache_batch_idx)
     old = _rows(k_cache, slots), _rows(v_cache, slots)
