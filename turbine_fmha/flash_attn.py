@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from .arrays import _is_torch
+from .arrays import _is_device_array, _is_torch
 from .checks import check_int, int_array
 
 
@@ -149,10 +149,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if _compiling():
             raise NotImplementedError("k/v and rotary_cos/rotary_sin (in-call appends and rotary) are not "
                                       "supported inside torch.compile: write the keys first (reshape_and_cache)")
+        local = window_size is not None and tuple(window_size) != (-1, -1)
         q, cache_seqlens, undo = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
                                          cache_leftpad, (rotary_cos, rotary_sin, rotary_interleaved),
-                                         causal or (window_size is not None and tuple(window_size) != (-1, -1)), session,
-                                         device)
+                                         causal or local, session, device)
     eager = not _compiling()
     try:
         if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
@@ -272,7 +272,7 @@ def _append_slots(pos: np.ndarray, kc_shape: tuple, block_table, cache_batch_idx
 
 def _rows(cache, slots: np.ndarray):
     """The cache rows at `slots` (a copy), or None for an IREE DeviceArray."""
-    if not hasattr(cache, "reshape") or not hasattr(cache, "shape") or type(cache).__name__ == "DeviceArray":
+    if _is_device_array(cache) or not hasattr(cache, "reshape"):
         return None
     flat = cache.reshape(-1, *tuple(cache.shape)[2:])
     if _is_torch(cache):
