@@ -214,10 +214,10 @@ class _Results:
             a[...] = fill
         return a
 
-    def run(self, variant, arg_lists, stats=False) -> list:
+    def run(self, variant, arg_lists, outputs: int = 2) -> list:
         """Session.run_variants' results, as this object's kind of arrays."""
         if self.torch_device is None:
-            return self.session.run_variants(variant, arg_lists, stats=stats)
+            return self.session.run_variants(variant, arg_lists, outputs=outputs)
         if self.torch_device.type == "cpu":
             arg_lists = [[_to_numpy(a, "q") if _is_torch(a) else a for a in args] for args in arg_lists]
         else:
@@ -232,7 +232,7 @@ class _Results:
                 for a in args] for args in arg_lists]
             torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
         return [self.session.to_torch(*r)
-                for r in self.session.run_variants(variant, arg_lists, on_device=True, stats=stats)]
+                for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs)]
 
     def upload(self, arrays: list) -> list:
         """Small host arrays as kernel arguments on the session's device: IREE

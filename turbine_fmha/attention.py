@@ -251,7 +251,8 @@ class _Plan:
         steps = [pt._device_steps(v, results) for pt, v in work]
         if out is None and len(work) == 1 and work[0][0] is self and self._direct(steps[0]):
             # One kernel call computes exactly the output: its results are it.
-            out, lse = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, stats=False)[0]
+            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)[0]
+            out, lse = res if return_lse else (res[0], None)
         else:
             out, lse = self._allocate(q, out, results)
             for (pt, variant), st in zip(work, steps):
@@ -322,11 +323,12 @@ class _Plan:
         return (st.b0, st.b1, st.s, st.e) == (0, self.call.batch, 0, self.rows) and \
             st.tile in (None, (self.call.batch, self.rows))
 
-    def _call(self, variant, steps, qb, k_cache, v_cache, results, stats: bool) -> list:
-        """Each step's results; the steps are queued back to back."""
+    def _call(self, variant, steps, qb, k_cache, v_cache, results, outputs: int) -> list:
+        """Each step's first `outputs` results; the steps are queued back
+        to back."""
         as_bytes = bool(self.p.layout.kv_dtype or self.p.layout.static_quant)  # fp8 travels as i8
         kc, vc = (self.session.kernel_cache(c, as_bytes, self._imports) for c in (k_cache, v_cache))
-        return results.run(variant, [[st.q(qb), kc, vc, *st.args] for st in steps], stats=stats)
+        return results.run(variant, [[st.q(qb), kc, vc, *st.args] for st in steps], outputs)
 
     def _allocate(self, q, out, results):
         lay = self.p.layout
@@ -353,7 +355,7 @@ class _Plan:
         if split:
             dst = [results.empty((n, rows, lay.nhead_q, lay.hdim_v), lay.q_dtype)]
             dst += [results.empty((n, lay.nhead_q, rows), np.float32) for _ in range(3)]
-        for st, res in zip(steps, self._call(variant, steps, qb, k_cache, v_cache, results, stats=len(dst) > 2)):
+        for st, res in zip(steps, self._call(variant, steps, qb, k_cache, v_cache, results, len(dst))):
             st.place(dst, res)
         if split:
             o_c, l_c = combine_splits(*dst, self.splits, self.p.scores.sinks)

@@ -265,12 +265,14 @@ class Session(VariantSelection, DeviceInterop):
         lse), plus each row's max score and sum with stats=True (what the
         split-KV merge needs), as numpy arrays, or as the session device's
         DeviceArrays with on_device=True (see to_torch)."""
-        return self.run_variants(variant, [args], on_device=on_device, stats=stats)[0]
+        return self.run_variants(variant, [args], on_device=on_device, outputs=4 if stats else 2)[0]
 
-    def run_variants(self, variant: Variant, arg_lists, on_device: bool = False, stats: bool = False) -> list:
-        """run_variant's results for each argument list, the calls queued
-        back to back with one wait at the end (a chunked prefill's calls no
-        longer wait for each other on the host)."""
+    def run_variants(self, variant: Variant, arg_lists, on_device: bool = False, outputs: int = 2) -> list:
+        """The first `outputs` results of each call (out, lse, then the
+        max and sum of stats) for each argument list, the calls queued back
+        to back with one wait at the end (a chunked prefill's calls no
+        longer wait for each other on the host). Results not asked for are
+        never mapped or copied."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
         calls = []
@@ -278,7 +280,7 @@ class Session(VariantSelection, DeviceInterop):
             calls.append(loaded.enqueue(list(args), after=calls[-1] if calls else None))
         if calls:
             calls[-1].wait()  # each call waited for the one before it
-        res = [c.results(4 if stats else 2) for c in calls]
+        res = [c.results(outputs) for c in calls]
         if on_device:
             return res
         # Only the results asked for are copied (a copy back from a GPU
