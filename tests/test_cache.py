@@ -318,3 +318,26 @@ def test_device_pool_without_host_mirror(explicit_session, rng):
     c = cache.allocate()
     cache.append(c, *_tokens(rng, 9))  # reuses a's pages; its 9th row overwrites the NaN one
     assert nan_page in cache.pages(c) and cache.values_finite
+
+
+@pytest.mark.parametrize("host_mirror", [True, False])
+def test_device_pools_are_allocated_past_the_call_buffer_pool(explicit_session, rng, host_mirror):
+    """A device pool outlives calls, so it must not be counted by the
+    caching allocator that recycles the calls' results and transients
+    (runtime.DEFAULT_CUDA_ALLOCATORS): that allocator hands exportable
+    buffers to the device allocator underneath it, and on the H200 3 GiB
+    of held pooled buffers made every decode call 2-3x slower
+    (docs/perf-notes.md). The CPU has no caching allocator, so this checks
+    the buffers' usage, which is what routes them."""
+    import iree.runtime as rt
+
+    cache = PagedKVCache(8, 4, HK, D, "f16", session=explicit_session, host_mirror=host_mirror)
+    export = int(rt.BufferUsage.SHARING_EXPORT)
+    for a in (cache.k_dev, cache.v_dev):
+        assert a._buffer_view.get_buffer().allowed_usage() & export
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    held = explicit_session.device_array(x)
+    assert held._buffer_view.get_buffer().allowed_usage() & export
+    np.testing.assert_array_equal(held.to_host(), x)
+    x[...] = 0  # a copy, not a view of the host array
+    assert held.to_host().any()

@@ -73,8 +73,6 @@ class PagedKVCache:
         self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
         if session is not None:
-            import iree.runtime as rt
-
             from .variants import AppendKernel
 
             # fp8 pools live on the device as their bytes (int8), like the
@@ -84,9 +82,8 @@ class PagedKVCache:
                 raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
             self._append_fn = session.append_function(
                 AppendKernel(name, nhead_k, hdim, hdim_v or hdim, page_block_size))
-            device = session.device_of()
             zeros = (self.k, self.v) if mirror else (np.zeros(s, dt) for s in self._shapes)
-            self.k_dev, self.v_dev = (rt.asdevicearray(device, self._raw(z)) for z in zeros)
+            self.k_dev, self.v_dev = (session.device_array(self._raw(z)) for z in zeros)
 
     # -- sequences -----------------------------------------------------------
 

@@ -53,6 +53,22 @@ class DeviceInterop:
         imported._host_keepalive = array
         return imported
 
+    def device_array(self, array: np.ndarray):
+        """A DeviceArray on this session's device holding a copy of
+        `array`, for memory that outlives calls (KV caches and pools). It is
+        allocated past the pool that recycles the calls' results and
+        transients (runtime.DEFAULT_CUDA_ALLOCATORS), which counts every
+        live buffer it hands out against its capacity: long-lived ones would
+        use it up, and each call's buffers would then be a synchronous
+        cuMemAlloc and a device-synchronizing cuMemFree (decodes 2-3x
+        slower on the H200 with 3 GiB held; docs/perf-notes.md)."""
+        import iree.runtime as rt
+
+        # IREE's caching allocator routes exportable buffers to the device
+        # allocator underneath it.
+        usage = rt.BufferUsage.DEFAULT | rt.BufferUsage.SHARING_EXPORT
+        return rt.asdevicearray(self.device_of(), array, allowed_usage=usage)
+
     def kernel_cache(self, c, as_bytes: bool, kept: dict | None = None):
         """A cache (an arrays._cache_array) as a kernel argument: device
         arrays as they are; host caches read in place on CPU sessions (a

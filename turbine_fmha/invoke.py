@@ -56,13 +56,19 @@ class _Loaded:
         call.wait()
         return call.results(n_results)
 
-    def enqueue(self, args: list, after=None) -> "_Call":
+    def enqueue(self, args: list, after=None, own_timeline: bool = False) -> "_Call":
         """Queues the entry point on `args` and returns at once (for
         artifacts built before EXECUTION_MODEL, after the work). Device
         arrays go straight to the VM (FunctionInvoker's packing and wrapping
         cost ~0.1 ms a call on the H200); host arrays are copied in, as
         FunctionInvoker would. `after`: a _Call whose work must finish
-        first (default: none, the inputs are ready)."""
+        first (default: none, the inputs are ready). Name it only for a real
+        dependency: the call's allocations then wait for it on the host
+        (IREE's queue_alloca with a pooled allocator), so this enqueue
+        returns only once `after` is done. `own_timeline`: signal a new
+        semaphore rather than the thread's timeline, whose values must be
+        signaled in order: calls queued together without naming each other
+        may finish in any order (a CPU's workers run them at once)."""
         import iree.runtime as rt
 
         fn, device, t = self.function, self.config.device, self._tls
@@ -73,16 +79,19 @@ class _Loaded:
             arg_list.push_ref(a._buffer_view.ref)
         call = _Call(self, rt.VmVariantList(4))
         if t.fenced:
-            t.value += 1
             wait = after.done if after is not None and after.done is not None else rt.HalFence(1)
             arg_list.push_ref(wait.ref)
-            call.timeline, call.value = t.timeline, t.value
-            call.done = rt.HalFence.create_at(t.timeline, t.value)
+            if own_timeline:
+                call.timeline, call.value = device.create_semaphore(0), 1
+            else:
+                t.value += 1
+                call.timeline, call.value = t.timeline, t.value
+            call.done = rt.HalFence.create_at(call.timeline, call.value)
             arg_list.push_ref(call.done.ref)
         try:
             fn._vm_context.invoke(fn.vm_function, arg_list, call.ret_list)
         except Exception:
-            self._reset()
+            self._reset(call.timeline)
             raise
         return call
 
