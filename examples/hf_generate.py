@@ -14,8 +14,16 @@ The model has 8 query and 8 KV heads of dimension 64 and the cache pages of
 16 rows: kernels of the default host set. Missing kernels are compiled
 into --cache-dir on first use (a few seconds each).
 
+--padded gives the prompts different lengths, left-padded (HF's batched
+generation; both runs get the same attention_mask). --device cuda runs the
+model on the GPU with a cuda Session (artifacts from `turbine-fmha build
+--targets cuda`, missing ones compiled): the cache's pools then live on
+the GPU.
+
     .venv/bin/python examples/hf_generate.py                   # float32
     .venv/bin/python examples/hf_generate.py --dtype bfloat16 --batch 4
+    .venv/bin/python examples/hf_generate.py --padded --batch 3
+    .venv/bin/python examples/hf_generate.py --device cuda --padded
 """
 
 from __future__ import annotations
@@ -60,26 +68,49 @@ def logit_difference(hf, ours, prompt_len: int) -> tuple[float, int]:
     return diff, steps
 
 
-def teacher_forced(model, seq, prompt_len: int, cache=None):
+def teacher_forced(model, seq, prompt_len: int, mask, cache=None):
     """Logits predicting seq[:, prompt_len:]: one forward over everything,
-    or with a cache a prefill and then one decode step per token."""
+    or with a cache a prefill and then one decode step per token. `mask`:
+    the prompts' attention_mask (None without padding)."""
+    full = None if mask is None else torch.cat([mask, torch.ones_like(seq[:, prompt_len:])], 1)
+
+    def upto(i):
+        return None if full is None else full[:, :i]
+
     if cache is None:
-        return model(seq).logits[:, prompt_len - 1:-1].double()
-    steps = [model(seq[:, :prompt_len], past_key_values=cache).logits[:, -1:]]
-    steps += [model(seq[:, i:i + 1], past_key_values=cache).logits for i in range(prompt_len, seq.shape[1] - 1)]
+        return model(seq, attention_mask=full).logits[:, prompt_len - 1:-1].double()
+    steps = [model(seq[:, :prompt_len], attention_mask=upto(prompt_len), past_key_values=cache).logits[:, -1:]]
+    steps += [model(seq[:, i:i + 1], attention_mask=upto(i + 1), past_key_values=cache).logits
+              for i in range(prompt_len, seq.shape[1] - 1)]
     return torch.cat(steps, 1).double()
 
 
-def low_precision_errors(model, seq, prompt_len: int, session, dtype) -> tuple[float, float]:
+def low_precision_errors(model, seq, prompt_len: int, mask, session, dtype) -> tuple[float, float]:
     """Along one float32 token stream, the largest logit error of the
     low-precision model against the float32 one: with HF eager, and with
     turbine_fmha. Comparable even where greedy streams part."""
-    ref = teacher_forced(model, seq, prompt_len)
+    ref = teacher_forced(model, seq, prompt_len, mask)
     low = copy.deepcopy(model).to(dtype)
-    eager = teacher_forced(low, seq, prompt_len)
+    eager = teacher_forced(low, seq, prompt_len, mask)
     fmha_hf.enable(low)
-    ours = teacher_forced(low, seq, prompt_len, fmha_hf.PagedCache(session=session))
+    ours = teacher_forced(low, seq, prompt_len, mask, fmha_hf.PagedCache(session=session))
     return (eager - ref).abs().max().item(), (ours - ref).abs().max().item()
+
+
+def prompts_for(args, vocab: int, device):
+    """Random prompts [batch, prompt_len] and their attention_mask: None,
+    or with --padded row b shortened by 7 * b tokens (wrapping at half the
+    length), left-padded with token 0."""
+    n = args.prompt_len
+    prompts = torch.randint(0, vocab, (args.batch, n), device=device)
+    if not args.padded:
+        return prompts, None
+    mask = torch.ones_like(prompts)
+    for b in range(args.batch):
+        pad = (7 * b) % max(n // 2, 1)
+        prompts[b, :pad] = 0
+        mask[b, :pad] = 0
+    return prompts, mask
 
 
 def main() -> int:
@@ -89,18 +120,27 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--artifacts", default=str(ROOT / "artifacts"), help="built artifacts to use when present")
+    ap.add_argument("--padded", action="store_true", help="prompts of different lengths, left-padded")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model, the session and the cache's pools are")
+    ap.add_argument("--artifacts", help="built artifacts to use when present (default: artifacts, or "
+                    "artifacts-cuda with --device cuda)")
     ap.add_argument("--cache-dir", default=str(ROOT / "build" / "hf-example-cache"),
                     help="where missing kernels are compiled")
     args = ap.parse_args()
-    session = turbine_fmha.Session("cpu", artifact_dir=args.artifacts, compile_missing=True, cache_dir=args.cache_dir)
-    model = small_llama(getattr(torch, args.dtype), args.seed)
+    artifacts = args.artifacts or str(ROOT / ("artifacts" if args.device == "cpu" else "artifacts-cuda"))
+    session = turbine_fmha.Session(args.device, artifact_dir=artifacts, compile_missing=True,
+                                   cache_dir=args.cache_dir)
+    model = small_llama(getattr(torch, args.dtype), args.seed).to(args.device)
     n = args.prompt_len
-    prompts = torch.randint(0, model.config.vocab_size, (args.batch, n))
-    kw = dict(max_new_tokens=args.new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    prompts, mask = prompts_for(args, model.config.vocab_size, args.device)
+    kw = dict(max_new_tokens=args.new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              attention_mask=mask)
     with torch.no_grad():
         hf = model.generate(prompts, **kw)
         ours = fmha_hf.generate(model, prompts, session=session, **kw)
+    print(f"{args.device}: pools {'on the device' if args.device != 'cpu' else 'in host memory'}; prompt "
+          f"lengths {[n] * args.batch if mask is None else mask.sum(1).tolist()}")
     for b in range(args.batch):
         print(f"sequence {b}, HF eager:     {hf.sequences[b, n:].tolist()}")
         print(f"sequence {b}, turbine_fmha: {ours.sequences[b, n:].tolist()}")
@@ -111,9 +151,9 @@ def main() -> int:
           f"(logits up to {scale:.3g}) over the {steps} (sequence, step) pairs where both saw the same tokens")
     if args.dtype != "float32":
         with torch.no_grad():
-            f32 = small_llama(torch.float32, args.seed)
-            seq = f32.generate(prompts, max_new_tokens=args.new_tokens, do_sample=False)
-            err_eager, err_ours = low_precision_errors(f32, seq, n, session, getattr(torch, args.dtype))
+            f32 = small_llama(torch.float32, args.seed).to(args.device)
+            seq = f32.generate(prompts, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False)
+            err_eager, err_ours = low_precision_errors(f32, seq, n, mask, session, getattr(torch, args.dtype))
         print(f"{args.dtype} against the float32 model along its tokens: largest logit error "
               f"{err_eager:.3g} with HF eager, {err_ours:.3g} with turbine_fmha")
     return 0 if same or args.dtype != "float32" else 1

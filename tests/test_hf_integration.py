@@ -1,7 +1,9 @@
 """Hugging Face transformers on these kernels (turbine_fmha.integrations.
 transformers): a small randomly initialised Llama generates the same
 tokens as with HF's eager attention, prefill and decode both through the
-paged kernels; its cache keeps transformers' Cache semantics."""
+paged kernels, with left-padded batches and with the pools in host memory
+or on the session's device; its cache keeps transformers' Cache
+semantics."""
 
 import copy
 
@@ -11,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers (the optional extra) is not installed")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
 import turbine_fmha  # noqa: E402
 from turbine_fmha.cache import CacheFullError  # noqa: E402
@@ -49,12 +51,13 @@ def counted(monkeypatch):
     return calls
 
 
-def test_generate_f32_tokens_identical_to_eager(explicit_session, counted):
+@pytest.mark.parametrize("device_pool", [False, True])
+def test_generate_f32_tokens_identical_to_eager(explicit_session, counted, device_pool):
     model, ids = _llama()
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-        got = fmha_hf.generate(model, ids, session=explicit_session, **kw)
+        got = fmha_hf.generate(model, ids, session=explicit_session, device_pool=device_pool, **kw)
     assert model.config._attn_implementation == "turbine_fmha"
     assert len(set(ref.sequences[:, PROMPT:].flatten().tolist())) > 4, "degenerate model: the test would prove little"
     np.testing.assert_array_equal(got.sequences.numpy(), ref.sequences.numpy())
@@ -67,14 +70,69 @@ def test_generate_f32_tokens_identical_to_eager(explicit_session, counted):
     assert diff < 1e-3
 
 
-def test_beam_search_and_return_sequences(explicit_session):
-    """reorder_cache and the expanded batch fork sequences in the pools."""
-    model, ids = _llama(seed=1)
-    kw = dict(max_new_tokens=10, do_sample=False, num_beams=3, num_return_sequences=2)
+def _left_padded(seed, lens=(PROMPT, 13, 6), pad=7):
+    """A model and prompts of `lens` tokens left-padded to PROMPT with the
+    token `pad` (a real token: only the mask says it is padding)."""
+    model, _ = _llama(seed)
+    ids = torch.randint(0, model.config.vocab_size, (len(lens), PROMPT))
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(lens):
+        ids[b, :PROMPT - n] = pad
+        mask[b, :PROMPT - n] = 0
+    assert (mask == 0).any(1).sum() >= 2, "no padded row: the test would prove nothing"
+    return model, ids, mask
+
+
+def _max_logit_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("device_pool", [False, True])
+def test_left_padded_batch_matches_eager(explicit_session, counted, monkeypatch, device_pool):
+    """Prompts of different lengths, left-padded: the pad rows are skipped
+    through kv_offset (gappy KV), so every row generates what HF eager
+    generates from the same input_ids and attention_mask."""
+    model, ids, mask = _left_padded(seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-        got = fmha_hf.generate(model, ids, session=explicit_session, **kw)
+        got = fmha_hf.generate(model, ids, session=explicit_session, device_pool=device_pool, **kw)
+    assert len(set(ref.sequences[:, PROMPT:].flatten().tolist())) > 4, "degenerate model: the test would prove little"
+    np.testing.assert_array_equal(got.sequences.numpy(), ref.sequences.numpy())
+    assert counted == {"plan": NEW, "run": NEW * model.config.num_hidden_layers}
+    # As unpadded: only the summation order differs (observed ~6e-5 on
+    # logits of magnitude ~12).
+    assert _max_logit_diff(got, ref) < 1e-3
+    # The comparison sees the padding: with the offsets dropped, the real
+    # rows also attend to the pad rows, and the logits move far past the
+    # bound above.
+    monkeypatch.setattr(fmha_hf, "left_padding", lambda *a: None)
+    with torch.no_grad():
+        wrong = fmha_hf.generate(model, ids, session=explicit_session, device_pool=device_pool,
+                                 **dict(kw, max_new_tokens=2))
+    assert _max_logit_diff(wrong, ref) > 0.1
+
+
+@pytest.mark.parametrize("device_pool", [False, True])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_beam_search_and_return_sequences(explicit_session, padded, device_pool):
+    """reorder_cache and the expanded batch fork sequences in the pools
+    (a device pool takes its host mirror then); with padding, HF reorders
+    the mask itself and the offsets follow it."""
+    if padded:
+        model, ids, mask = _left_padded(seed=1)
+        extra = dict(attention_mask=mask)
+    else:
+        (model, ids), extra = _llama(seed=1), {}
+    kw = dict(max_new_tokens=10, do_sample=False, num_beams=3, num_return_sequences=2, **extra)
+    cache = fmha_hf.PagedCache(session=explicit_session, device_pool=device_pool)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        got = fmha_hf.enable(model).generate(ids, past_key_values=cache, **kw)
     np.testing.assert_array_equal(got.numpy(), ref.numpy())
+    for layer in cache.layers:  # the beams did fork: host pools, or device pools with their mirror
+        assert layer.pool.k is not None and (layer.pool.k_dev is not None) == device_pool
 
 
 def _teacher_forced(model, seq, cache=None):
@@ -108,16 +166,77 @@ def test_low_precision_logits_as_close_as_eager(explicit_session, dtype):
     assert ours.mean() <= 1.5 * eager.mean(), (ours.mean(), eager.mean())
 
 
-def test_unsupported_inputs_raise(explicit_session):
-    model, ids = _llama()
-    fmha_hf.enable(model)
-    left_padded = torch.ones_like(ids)
-    left_padded[0, :3] = 0
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_device_pool_logits_bitwise_equal_host_pool(explicit_session, dtype):
+    """The same kernels over the same K/V, wherever the pool lives: a
+    left-padded f16/bf16 batch (prefill, then decode steps) gives the same
+    logits to the bit with the pools on the session's device as in host
+    memory (the path the tests above compare with eager)."""
+    model, ids, mask = _left_padded(seed=2)
     with torch.no_grad():
-        with pytest.raises(NotImplementedError, match="attention mask with padding"):
-            fmha_hf.generate(model, ids, attention_mask=left_padded, max_new_tokens=2, session=explicit_session)
+        seq = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        low = fmha_hf.enable(copy.deepcopy(model).to(dtype))
+        full = torch.cat([mask, torch.ones_like(seq[:, PROMPT:])], 1)
+        logits = []
+        for device_pool in (False, True):
+            cache = fmha_hf.PagedCache(session=explicit_session, device_pool=device_pool)
+            steps = [low(seq[:, :PROMPT], attention_mask=full[:, :PROMPT], past_key_values=cache).logits]
+            steps += [low(seq[:, i:i + 1], attention_mask=full[:, :i + 1], past_key_values=cache).logits
+                      for i in range(PROMPT, seq.shape[1] - 1)]
+            logits.append(torch.cat(steps, 1))
+    assert logits[0].dtype == dtype and torch.isfinite(logits[0]).all()
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
+def _untouched(cache):
+    return cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
+
+
+def test_unsupported_masks_raise_before_running(explicit_session, counted):
+    """Right padding, a hole, a custom 4D mask or a mask of the wrong
+    length raise before any kernel runs, and leave the cache as it was."""
+    model, ids, mask = _left_padded(seed=0)
+    fmha_hf.enable(model)
+    right = torch.ones_like(ids)
+    right[0, -3:] = 0
+    hole = mask.clone()
+    hole[2, -4] = 0
+    custom = torch.ones(ids.shape[0], 1, PROMPT, PROMPT, dtype=torch.bool).tril()
+    cases = [(right, NotImplementedError, "left padding only"), (hole, NotImplementedError, "row 2 is not"),
+             (custom, NotImplementedError, "custom mask"), (mask[:, 1:], ValueError, "attention_mask covers")]
+    with torch.no_grad():
+        for m, exc, words in cases:
+            cache = fmha_hf.PagedCache(session=explicit_session)
+            with pytest.raises(exc, match=words):
+                model(ids, attention_mask=m, past_key_values=cache)
+            assert _untouched(cache)
+        with pytest.raises(NotImplementedError, match="left padding only"):
+            fmha_hf.generate(model, ids, attention_mask=right, max_new_tokens=2, session=explicit_session)
+        # After a good step, a bad one leaves the first step's rows.
+        cache = fmha_hf.PagedCache(session=explicit_session)
+        model(ids, attention_mask=mask, past_key_values=cache)
+        step = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        with pytest.raises(NotImplementedError, match="custom mask"):
+            model(ids[:, :1], attention_mask=step[:, None, None, :].bool(), past_key_values=cache)
+        assert all(layer.get_seq_length() == PROMPT for layer in cache.layers)
         with pytest.raises(ValueError, match="PagedCache"):
             model(ids)  # transformers' own DynamicCache
+        # A mask function the 2D mask cannot carry (here a sliding window)
+        # is refused when the model builds its mask.
+        cfg = MistralConfig(**dict(model.config.to_dict(), sliding_window=8))
+        mistral = fmha_hf.enable(MistralForCausalLM(cfg).eval())
+        cache = fmha_hf.PagedCache(session=explicit_session)
+        with pytest.raises(NotImplementedError, match="plain causal masks only"):
+            mistral(ids, past_key_values=cache)
+        assert _untouched(cache)
+    assert counted == {"plan": 1, "run": model.config.num_hidden_layers}
+
+
+def test_bad_cache_arguments():
+    with pytest.raises(TypeError, match="device_pool"):
+        fmha_hf.PagedCache(device_pool="yes")
+    with pytest.raises(ValueError, match="page_block_size"):
+        fmha_hf.PagedCache(page_block_size=0)
 
 
 def _dense(layer):
@@ -126,31 +245,39 @@ def _dense(layer):
     return [torch.from_numpy(np.stack([r[i] for r in rows])).transpose(1, 2) for i in (0, 1)]
 
 
-def test_cache_semantics_match_dynamic_cache(rng):
+@pytest.mark.parametrize("device_pool", [False, True])
+def test_cache_semantics_match_dynamic_cache(explicit_session, rng, device_pool):
     """Every Cache operation generate uses, applied to PagedCache and to
     transformers' DynamicCache, leaves the same K/V: appends across page
     boundaries and pool growth, beam reorders, batch selection and
-    repetition (forks sharing pages) and crop."""
-    paged, dense = fmha_hf.PagedCache(page_block_size=4), DynamicCache()
+    repetition (forks sharing pages) and crop. A device pool hands the
+    model stand-ins without memory, and takes a host mirror only once a
+    row is forked (chosen twice)."""
+    paged = fmha_hf.PagedCache(session=explicit_session, page_block_size=4, device_pool=device_pool)
+    dense = DynamicCache()
 
     def update(batch, n):
         for layer in range(2):
             k, v = (torch.from_numpy(rng.standard_normal((batch, 2, n, 8)).astype(np.float32)) for _ in range(2))
-            paged.update(k, v, layer)
+            got = paged.update(k, v, layer)
             dense.update(k, v, layer)
+            assert all((t.stride() == (0, 0, 0, 0)) == device_pool for t in got)
 
     update(3, 5)
     for _ in range(7):
         update(3, 1)  # the pools grow past their first size
-    ops = [("reorder_cache", torch.tensor([2, 0, 0]), 3), ("batch_select_indices", torch.tensor([1, 2]), 2),
-           ("batch_repeat_interleave", 2, 4), ("crop", -3, 4), ("crop", 0, 4)]
-    for op, arg, batch in ops:
+    ops = [("reorder_cache", torch.tensor([1, 2, 0]), 3), ("reorder_cache", torch.tensor([2, 0, 0]), 3),
+           ("batch_select_indices", torch.tensor([1, 2]), 2), ("batch_repeat_interleave", 2, 4), ("crop", -3, 4),
+           ("crop", 0, 4)]
+    for i, (op, arg, batch) in enumerate(ops):
         getattr(paged, op)(arg)
         getattr(dense, op)(arg)
         update(batch, 2)
         assert paged.get_seq_length() == dense.get_seq_length()
         assert paged.get_mask_sizes(1, 0) == dense.get_mask_sizes(1, 0)
         for p, d in zip(paged.layers, dense.layers):
+            assert (p.pool.k_dev is not None) == device_pool
+            assert (p.pool.k is None) == (device_pool and i == 0)  # the mirror came with the first fork
             for got, want in zip(_dense(p), (d.keys, d.values)):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
 

@@ -2,7 +2,7 @@
 
     from turbine_fmha.integrations import transformers as fmha_hf
 
-    out = fmha_hf.generate(model, input_ids, max_new_tokens=32, session=session)
+    out = fmha_hf.generate(model, input_ids, attention_mask=mask, max_new_tokens=32, session=session)
     # or, step by step:
     fmha_hf.enable(model)                       # attn_implementation="turbine_fmha"
     cache = fmha_hf.PagedCache(session=session, page_block_size=16)
@@ -18,12 +18,21 @@ Prefill and decode steps both run the paged kernels, causal with the
 bottom-right diagonal, planned once per step and run per layer
 (`PagedAttention`).
 
-Scope: CPU torch models on a CPU `Session`, float32/float16/bfloat16,
-batches whose rows have equal lengths. A padding mask (left padding), a
-custom 4D mask, sliding windows, soft-capping, attention sinks, dropout
-and non-causal attention raise NotImplementedError rather than give
-wrong tokens. Beam search (`reorder_cache`) and `num_return_sequences`
-fork sequences in the pools, sharing their pages.
+Pools: in host memory on a CPU session (read in place). On a GPU session,
+on its device (`PagedKVCache(session=..., host_mirror=False)`): K/V go
+from the model's tensors into the pool by the append kernel and the
+attention reads it in place; nothing crosses to the host per step.
+`PagedCache(device_pool=True)` picks that mode on a CPU session too.
+
+Scope: torch models on the session's device (the CPU, or cuda:0 for a
+cuda/hip session), float32/float16/bfloat16, batches without padding or
+left-padded (generate's `attention_mask`; `_hf_masks`). Right padding or
+holes in the mask, a custom 4D mask or mask function, sliding windows,
+soft-capping, attention sinks, dropout and non-causal attention raise
+NotImplementedError rather than give wrong tokens. Beam search
+(`reorder_cache`) and `num_return_sequences` fork sequences in the pools,
+sharing their pages; a device pool takes a host mirror at its first fork
+(copy-on-write reads the shared rows from it).
 """
 
 from __future__ import annotations
@@ -31,16 +40,18 @@ from __future__ import annotations
 import functools
 import weakref
 
+import numpy as np
+import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.masking_utils import AttentionMaskInterface
 
-from ..arrays import _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
+from ..arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
 from ..attention import PagedAttention
 from ..cache import CacheFullError, PagedKVCache
 from ..runtime import Session
+from ._hf_masks import NAME, left_padding, padding_mask, refuse_unsupported
 
-NAME = "turbine_fmha"
 _DTYPES = {np_dtype(n) for n in ("f16", "bf16", "f32")}
 # The tensors a PagedLayer hands to the model carry a weak reference to the
 # layer: the model passes them to the attention function unchanged, and
@@ -52,9 +63,9 @@ _TAG = "_turbine_fmha_layer"
 def register() -> None:
     """Registers "turbine_fmha" with transformers (done on import)."""
     AttentionInterface.register(NAME, attention_forward)
-    # The padding-mask rule of flash attention: None for a plain causal
-    # batch, the 2D mask when some row is padded (then refused below).
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    # Flash attention's padding-mask rule (None for a batch without
+    # padding, else the 2D mask), checked before any layer runs.
+    AttentionMaskInterface.register(NAME, padding_mask)
 
 
 def enable(model):
@@ -67,71 +78,99 @@ def enable(model):
 
 
 def generate(model, input_ids, *, session: Session | None = None, page_block_size: int = 16,
-             num_pages: int | None = None, **generate_kwargs):
+             num_pages: int | None = None, device_pool: bool | None = None, **generate_kwargs):
     """`model.generate(input_ids, **generate_kwargs)` on these kernels with
     a fresh `PagedCache` (see there for the arguments)."""
     enable(model)
-    cache = PagedCache(session=session, page_block_size=page_block_size, num_pages=num_pages)
+    cache = PagedCache(session=session, page_block_size=page_block_size, num_pages=num_pages,
+                       device_pool=device_pool)
     return model.generate(input_ids, past_key_values=cache, **generate_kwargs)
 
 
 class PagedCache(Cache):
     """A transformers `Cache` on turbine_fmha page pools.
 
-    session: the CPU `Session` the kernels run on (default: the shared
-    one). page_block_size: rows per page. num_pages: pages of each layer's
-    pool; None grows the pools as needed (doubling, by copying the
-    sequences into a larger pool), an int fixes them, and running out
-    raises CacheFullError.
+    session: the `Session` the kernels run on (default: the shared CPU
+    one); the model's tensors must be on its device (`torch_device`).
+    page_block_size: rows per page. num_pages: pages of each layer's pool;
+    None grows the pools as needed (doubling, by copying the sequences into
+    a larger pool), an int fixes them, and running out raises
+    CacheFullError. device_pool: keep the pools on the session's device
+    (True) or in host memory (False); None: on the device for GPU sessions,
+    in host memory for CPU ones.
     """
 
-    def __init__(self, *, session: Session | None = None, page_block_size: int = 16, num_pages: int | None = None):
+    def __init__(self, *, session: Session | None = None, page_block_size: int = 16, num_pages: int | None = None,
+                 device_pool: bool | None = None):
         if session is not None and not isinstance(session, Session):
             raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
-        if session is not None and session.device != "cpu":
-            # The pools live in host memory: a GPU session would copy every
-            # layer's whole pool to the device on every call.
-            raise NotImplementedError(f"PagedCache runs CPU torch models on a CPU session, got a "
-                                      f"{session.device!r} session")
+        if device_pool is not None and not isinstance(device_pool, bool):
+            raise TypeError(f"device_pool must be a bool or None, got {type(device_pool).__name__}")
+        if device_pool is False and session is not None and session.device != "cpu":
+            # Every layer's whole host pool would be copied to the device
+            # on every call.
+            raise NotImplementedError(f"device_pool=False keeps the pools in host memory, which a "
+                                      f"{session.device!r} session cannot read in place: leave device_pool None")
         for name, val in (("page_block_size", page_block_size), ("num_pages", num_pages)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        self.planner = _Planner(session)
+        if device_pool is None:
+            device_pool = session is not None and session.device != "cpu"
+        self.planner = _Planner(session, device_pool)
         super().__init__(layer_class_to_replicate=functools.partial(
             PagedLayer, self.planner, page_block_size, num_pages))
 
 
 class _Planner:
-    """One `PagedAttention` for the whole model: every layer of a step has
-    the same tables, so the first layer plans and the others only run."""
+    """What the layers share: one `PagedAttention` (every layer of a step
+    has the same tables, so the first layer plans and the others only run),
+    the session and where the pools live, and the step's padding."""
 
-    def __init__(self, session):
-        self.session = session
-        self.attn = None
-        self.key = None
+    def __init__(self, session, device_pool: bool):
+        self._session, self.device_pool = session, device_pool
+        self.attn = self.key = self._mask = self._offsets = self._dims = None
 
-    def planned(self, q, pool: PagedKVCache, seqs, scale) -> PagedAttention:
-        if self.attn is None:
-            self.attn = PagedAttention(self.session)
-        bt, sk = pool.batch(seqs)
+    def attention(self) -> PagedAttention:
+        if self.attn is None:  # the shared session is made on first use
+            self.attn = PagedAttention(self._session)
+        return self.attn
+
+    def offsets(self, mask, batch: int, rows: int):
+        """kv_offset of the step's padding mask (None without padding), read
+        once per step: every layer gets the same mask tensor (held here)."""
+        if mask is None:
+            return None
+        if mask is not self._mask or self._dims != (batch, rows):
+            self._mask = None  # a mask that raised must not pass next time
+            self._offsets = left_padding(mask, batch, rows)
+            self._mask, self._dims = mask, (batch, rows)
+        return self._offsets
+
+    def planned(self, q, layer: "PagedLayer", scale, offsets) -> PagedAttention:
+        attn = self.attention()
+        pool, (kc, vc) = layer.pool, layer.caches
+        bt, sk = pool.batch(layer.seqs)
         finite = pool.values_finite
-        key = (bt.shape, bt.tobytes(), sk.tobytes(), tuple(q.shape), q.dtype, pool.k.shape, pool.v.shape,
-               scale, finite)
+        key = (bt.shape, bt.tobytes(), sk.tobytes(), None if offsets is None else offsets.tobytes(),
+               tuple(q.shape), q.dtype, kc.shape, vc.shape, scale, finite)
         if key != self.key:
             self.key = None  # a plan that raised must not be reused
-            self.attn.plan(bt, sk, num_pages=pool.k.shape[0], page_block_size=pool.page_block_size,
-                           nhead_q=q.shape[2], nhead_k=pool.k.shape[2], hdim=pool.k.shape[3],
-                           hdim_v=pool.v.shape[3], dtype=q.dtype, seqlen_q=q.shape[1],
-                           mask_type="bottom_right", window_size_left=-1, window_size_right=0,
-                           scale=scale, kv_rows_finite=finite)
+            # Left padding: row b's keys are its stored rows after the
+            # first offsets[b] (_hf_masks).
+            attn.plan(bt, sk if offsets is None else sk - offsets, kv_offset=offsets, num_pages=kc.shape[0],
+                      page_block_size=pool.page_block_size, nhead_q=q.shape[2], nhead_k=kc.shape[2],
+                      hdim=kc.shape[3], hdim_v=vc.shape[3], dtype=q.dtype, seqlen_q=q.shape[1],
+                      mask_type="bottom_right", window_size_left=-1, window_size_right=0,
+                      scale=scale, kv_rows_finite=finite)
             self.key = key
-        return self.attn
+        return attn
 
 
 class PagedLayer(CacheLayerMixin):
     """One layer's K/V: a `PagedKVCache` holding one sequence per batch
-    row. `update` appends the step's rows and returns the pools (as
-    [num_pages, page_block_size, nhead_k, hdim] torch views of them),
+    row. `update` appends the step's rows and returns [num_pages,
+    page_block_size, nhead_k, hdim] torch tensors standing for the pools
+    (views of host pools; for device pools, stand-ins without memory),
     which only the "turbine_fmha" attention function can read."""
 
     is_sliding = False
@@ -141,37 +180,43 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, planner: _Planner, page_block_size: int, num_pages: int | None):
         super().__init__()
         self.planner, self.page_block_size, self.num_pages = planner, page_block_size, num_pages
-        self.pool: PagedKVCache | None = None
-        self.seqs: list[int] = []
+        self.reset()
 
     def lazy_initialization(self, key_states, value_states) -> None:
         dtype = _torch_np_dtype(key_states.dtype)
         if dtype not in _DTYPES or value_states.dtype != key_states.dtype:
             raise TypeError(f"PagedCache keeps float32, float16 or bfloat16 keys and values, got "
                             f"{key_states.dtype} and {value_states.dtype}")
-        if key_states.device.type != "cpu":
-            raise NotImplementedError(f"PagedCache runs CPU torch models, got tensors on {key_states.device}")
+        on_device = self.planner.device_pool
+        want = self.planner.attention().session.torch_device if on_device else "cpu"
+        if str(key_states.device) != want or value_states.device != key_states.device:
+            hint = "" if on_device else ": pass session=turbine_fmha.Session('cuda', ...) for a model on the GPU"
+            raise NotImplementedError(f"PagedCache keeps {'device' if on_device else 'host'} pools of torch "
+                                      f"tensors on {want}, got tensors on {key_states.device}{hint}")
+        self.on_device, self.dtype, self.device = on_device, key_states.dtype, key_states.device
         batch, nhead_k, n, hdim = key_states.shape
         pages = self.num_pages or batch * -(-2 * max(n, 1) // self.page_block_size)
-        self._set_pool(PagedKVCache(pages, self.page_block_size, nhead_k, hdim, dtype, hdim_v=value_states.shape[-1]))
+        self._set_pool(self._new_pool(pages, nhead_k, hdim, value_states.shape[-1], dtype))
         self.seqs = [self.pool.allocate() for _ in range(batch)]
-        self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Appends K/V [batch, nhead_k, n, hdim] (the model's layout) to the
-        batch's sequences; returns the pools."""
+        batch's sequences; returns the pools' stand-ins."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != len(self.seqs) or value_states.shape[0] != len(self.seqs):
             raise ValueError(f"PagedCache holds {len(self.seqs)} sequences, the model passed "
                              f"{key_states.shape[0]} rows of keys and {value_states.shape[0]} of values")
         for b in range(len(self.seqs)):
-            # [nhead_k, n, hdim] -> [n, nhead_k, hdim]: a view; only bf16
-            # (which numpy reads through its bits) is copied on the way.
-            k = _to_numpy(key_states[b].transpose(0, 1), "key_states")
-            v = _to_numpy(value_states[b].transpose(0, 1), "value_states")
+            # [nhead_k, n, hdim] -> [n, nhead_k, hdim]: a view. A device
+            # pool takes the torch tensor as it is; for a host pool only
+            # bf16 (which numpy reads through its bits) is copied.
+            k, v = key_states[b].transpose(0, 1), value_states[b].transpose(0, 1)
+            if not self.on_device:
+                k, v = _to_numpy(k, "key_states"), _to_numpy(v, "value_states")
             self._append(b, k, v)
+        self._unattended = key_states.shape[2]
         return self.keys, self.values
 
     def _append(self, row: int, k, v) -> None:
@@ -185,42 +230,70 @@ class PagedLayer(CacheLayerMixin):
             # copies amortized.
             longest = max(self.pool.seqlen(s) for s in self.seqs) + k.shape[0]
             need = len(self.seqs) * (-(-longest // self.page_block_size) + 1)
-            self._rebuild(pages=max(2 * self.pool.k.shape[0], need))
+            self._rebuild(pages=max(2 * self.caches[0].shape[0], need))
             self.pool.append(self.seqs[row], k, v)
+
+    def _new_pool(self, pages: int, nhead_k: int, hdim: int, hdim_v: int, dtype) -> PagedKVCache:
+        if not self.on_device:
+            return PagedKVCache(pages, self.page_block_size, nhead_k, hdim, dtype, hdim_v=hdim_v)
+        return PagedKVCache(pages, self.page_block_size, nhead_k, hdim, dtype, hdim_v=hdim_v,
+                            session=self.planner.attention().session, host_mirror=self._mirror)
 
     def _rebuild(self, *, pages: int = 0, keep: int | None = None) -> None:
         """Copies the sequences (their first `keep` rows) in order into a
         new pool of at least `pages` pages; the copies become the layer's
         sequences."""
-        old = self.pool
+        old, (kc, vc) = self.pool, self.caches
         rows = [old.seqlen(s) if keep is None else min(old.seqlen(s), keep) for s in self.seqs]
         # The copies share no pages, where forks did: each needs its own.
         own = sum(-(-n // self.page_block_size) for n in rows)
         if self.num_pages is not None and own > self.num_pages:
             raise CacheFullError(f"the {len(rows)} sequences need {own} pages once copied, the pool has "
                                  f"{self.num_pages}")
-        pool = PagedKVCache(max(pages, own, old.k.shape[0]), self.page_block_size, old.k.shape[2],
-                            old.k.shape[3], old.k.dtype, hdim_v=old.v.shape[3])
+        pool = self._new_pool(max(pages, own, kc.shape[0]), kc.shape[2], kc.shape[3], vc.shape[3], old.dtype)
+        # A device pool without a mirror is read back to the host once (not
+        # once per sequence, as gather would). Growth doubles the pool and
+        # crop is rare, so these copies are amortized over many steps.
+        k_all, v_all = (old.k, old.v) if old.k is not None else \
+            (a.to_host().view(old.dtype) for a in (old.k_dev, old.v_dev))
         new = []
         for s, n in zip(self.seqs, rows):
-            k, v = old.gather(s)
+            pos = np.arange(n)
+            at = np.asarray(old.pages(s), np.int64)[pos // self.page_block_size], pos % self.page_block_size
             new.append(pool.allocate())
-            pool.append(new[-1], k[:n], v[:n])
+            pool.append(new[-1], k_all[at], v_all[at])
         self._set_pool(pool)
         self.seqs = new
 
     def _set_pool(self, pool: PagedKVCache) -> None:
         self.pool = pool
-        self.keys, self.values = (_numpy_to_torch(a) for a in (pool.k, pool.v))
+        if self.on_device:
+            # The kernels read the device arrays in place. The model only
+            # passes the tagged tensors on, so they need no memory: one
+            # element expanded to the pool's shape, never a copy of it.
+            self.caches = tuple(_DeviceCache(a, pool.dtype) for a in (pool.k_dev, pool.v_dev))
+            self.keys, self.values = (torch.empty((), dtype=self.dtype, device=self.device).expand(c.shape)
+                                      for c in self.caches)
+        else:
+            self.caches = (pool.k, pool.v)
+            self.keys, self.values = (_numpy_to_torch(a) for a in self.caches)
         ref = weakref.ref(self)  # no cycle: the pools are freed with the cache
         setattr(self.keys, _TAG, ref)
         setattr(self.values, _TAG, ref)
 
-    def attend(self, q, scale):
+    def attend(self, q, scale, offsets=None):
         """The attention output [batch, seqlen_q, nhead_q, hdim_v] of q
-        [batch, seqlen_q, nhead_q, hdim] over the batch's sequences."""
-        attn = self.planner.planned(q, self.pool, self.seqs, scale)
-        return attn.run(q, self.pool.k, self.pool.v)
+        [batch, seqlen_q, nhead_q, hdim] over the batch's sequences, less
+        each row's first offsets[b] rows (left padding)."""
+        out = self.planner.planned(q, self, scale, offsets).run(q, *self.caches)
+        self._unattended = 0
+        return out
+
+    def drop_unattended(self) -> None:
+        """Drops the rows appended since the last attention call."""
+        if self._unattended:
+            self._rebuild(keep=self.get_seq_length() - self._unattended)
+            self._unattended = 0
 
     # -- transformers' Cache protocol ----------------------------------------
 
@@ -248,6 +321,20 @@ class PagedLayer(CacheLayerMixin):
     def _select(self, rows: list[int]) -> None:
         if not self.is_initialized:
             return
+        bad = [r for r in rows if not 0 <= r < len(self.seqs)]
+        if bad:
+            raise IndexError(f"row {bad[0]} selected, the cache holds {len(self.seqs)} sequences")
+        if len(set(rows)) == len(rows):  # a reordering or a subset: no fork needed
+            for i in set(range(len(self.seqs))) - set(rows):
+                self.pool.free(self.seqs[i])
+            self.seqs = [self.seqs[r] for r in rows]
+            return
+        if self.on_device and not self._mirror:
+            # Copy-on-write reads the shared rows from the host mirror
+            # (PagedKVCache.fork): the pool takes one now, once, and keeps
+            # it (each append then also writes the host).
+            self._mirror = True
+            self._rebuild()
         # Fork first: a row chosen twice, or chosen after another row was
         # freed, must still exist.
         new = [self.pool.fork(self.seqs[r]) for r in rows]
@@ -266,11 +353,11 @@ class PagedLayer(CacheLayerMixin):
         self._rebuild(keep=max(self.get_seq_length() + tokens_to_remove, 0))
 
     def reset(self) -> None:
-        self.pool, self.seqs, self.keys, self.values = None, [], None, None
-        self.is_initialized = False
+        self.pool, self.seqs, self.caches, self.keys, self.values, self._unattended = None, [], None, None, None, 0
+        self.on_device = self._mirror = self.is_initialized = False
 
     def offload(self):
-        pass  # the pools are in host memory already
+        pass  # the pools stay where they are (host memory or the session's device)
 
     def prefetch(self):
         pass
@@ -280,7 +367,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     """The "turbine_fmha" attention function (transformers' signature):
     query [batch, nhead_q, seqlen_q, hdim] against the paged cache that
     `key`/`value` come from; returns ([batch, seqlen_q, nhead_q, hdim_v],
-    None)."""
+    None) on the query's device, in its dtype."""
     ref = getattr(key, _TAG, None)
     layer = ref() if ref is not None else None
     if layer is None or getattr(value, _TAG, None) is not ref:
@@ -288,28 +375,20 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             f'attn_implementation="{NAME}" runs on a turbine_fmha PagedCache: pass '
             "past_key_values=PagedCache(...) with use_cache=True (or call "
             "turbine_fmha.integrations.transformers.generate)")
-    _refuse_unsupported(module, attention_mask, dropout, kwargs)
+    try:
+        refuse_unsupported(module, dropout, kwargs)
+        offsets = layer.planner.offsets(attention_mask, len(layer.seqs), layer.get_seq_length())
+    except (NotImplementedError, ValueError):
+        # These fail alike in every layer (layers that differ, as sliding
+        # windows do, are refused by the mask function before any layer
+        # runs): dropping the first layer's new rows undoes the step.
+        layer.drop_unattended()
+        raise
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     # [batch, nhead_q, seqlen_q, hdim] -> [batch, seqlen_q, nhead_q, hdim]:
     # the projection's own layout, so usually already contiguous.
-    return layer.attend(query.detach().transpose(1, 2), float(scaling)), None
-
-
-def _refuse_unsupported(module, attention_mask, dropout, kwargs) -> None:
-    """Raises NotImplementedError for whatever would make these kernels
-    compute something else than the model asks for."""
-    if attention_mask is not None:
-        raise NotImplementedError(
-            f"{NAME} attention takes causal batches of equal-length rows only: got an attention mask with "
-            "padding (or a custom mask); pad-free batches (or one sequence per call) are supported")
-    if dropout:
-        raise NotImplementedError(f"{NAME} attention is inference only: got dropout={dropout}")
-    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
-        raise NotImplementedError(f"{NAME} attention is causal only")
-    for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{NAME} attention does not support {name} yet")
+    return layer.attend(query.detach().transpose(1, 2), float(scaling), offsets), None
 
 
 register()

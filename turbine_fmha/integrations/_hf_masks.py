@@ -1,0 +1,80 @@
+"""Padding masks of Hugging Face models as the paged kernels' gappy KV, and
+the other arguments the "turbine_fmha" attention refuses.
+
+Left padding (HF's convention for batched generation) puts row b's p_b pad
+tokens first. The cache stores their K/V too (a cache's `update` does not
+see the mask), so row b's keys are the stored rows p_b.. and the pad rows
+are skipped with the kernels' `kv_offset[b] = p_b`, `seqlen_k[b] = stored
+- p_b`. Bottom-right causal masking then gives a real query i of a step of
+L rows the keys p_b..i, as HF's mask does; a pad query sees no key and
+gets 0 (HF never reads those positions). Any other pattern (right padding,
+holes) would need a mask the kernels do not take, so it is refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+NAME = "turbine_fmha"
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=causal_mask_function, attention_mask=None, **kwargs):
+    """The mask function registered for "turbine_fmha" (transformers'
+    `AttentionMaskInterface`): flash attention's (None for a batch without
+    padding, else the 2D bool mask), checked here. The model builds its
+    mask before any layer runs, so a refused mask leaves the cache as it
+    was."""
+    if mask_function is not causal_mask_function:
+        # flash_attention_mask drops the mask function: an overlay (image
+        # tokens, blocks, bidirectional attention) would silently be lost.
+        raise NotImplementedError(f"{NAME} attention takes plain causal masks only: the model builds its mask "
+                                  f"with another mask function ({getattr(mask_function, '__name__', '?')}: a "
+                                  "sliding window, chunks, bidirectional attention or an overlay)")
+    if attention_mask is not None:
+        left_padding(attention_mask, batch_size, kv_length)
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                attention_mask, **kwargs)
+
+
+def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
+    """kv_offset [batch] int32 (each row's leading pad positions) of a 2D
+    bool mask over the `rows` positions the cache holds after this step's
+    update; None without padding. Raises for anything else."""
+    shape = tuple(getattr(attention_mask, "shape", ()))
+    if len(shape) != 2:
+        raise NotImplementedError(
+            f"{NAME} attention supports left padding only (a 2D [batch, kv_length] padding mask): got an "
+            f"attention_mask of shape {list(shape)} (a custom mask)")
+    if str(getattr(attention_mask, "dtype", "")) != "torch.bool":
+        raise NotImplementedError(f"{NAME} attention takes the 2D padding mask as a torch.bool tensor, got an "
+                                  f"attention_mask of dtype {getattr(attention_mask, 'dtype', None)}")
+    if shape[0] != batch:
+        raise ValueError(f"attention_mask has {shape[0]} rows, the batch has {batch}")
+    if shape[1] != rows:
+        raise ValueError(f"attention_mask covers {shape[1]} positions, but the cache holds {rows} after this "
+                         "step: pass the mask of every cached position and the new ones")
+    m = attention_mask.detach().cpu().numpy()
+    # [False] * p + [True] * rest is exactly a row that never falls from
+    # True back to False.
+    bad = (np.diff(m.astype(np.int8), axis=1) < 0).any(axis=1)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise NotImplementedError(
+            f"{NAME} attention supports left padding only: attention_mask row {b} is not [False] * p + "
+            "[True] * rest (right padding or a hole); pad on the left (tokenizer padding_side='left')")
+    offsets = (~m).sum(axis=1).astype(np.int32)
+    return offsets if offsets.any() else None
+
+
+def refuse_unsupported(module, dropout, kwargs) -> None:
+    """Raises NotImplementedError for whatever else would make the kernels
+    compute something other than the model asks for."""
+    if dropout:
+        raise NotImplementedError(f"{NAME} attention is inference only: got dropout={dropout}")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{NAME} attention is causal only")
+    for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{NAME} attention does not support {name} yet")
