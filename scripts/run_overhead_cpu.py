@@ -39,10 +39,10 @@ def _instrument() -> None:
     """Marks the first enqueue of a run() and the end of its wait."""
     enqueue, wait = invoke._Loaded.enqueue, invoke._Call.wait
 
-    def timed_enqueue(self, args, after=None):
-        if after is None:
+    def timed_enqueue(self, args, after=None, own_timeline=False):
+        if not own_timeline:  # a run()'s first call (Session.run_variants)
             _marks.append(time.perf_counter())
-        return enqueue(self, args, after)
+        return enqueue(self, args, after, own_timeline)
 
     def timed_wait(self):
         wait(self)
