@@ -88,3 +88,24 @@ def test_spin_only_on_gpus(explicit_session, rng):
     attn, (q, k, v), _ = _planned(explicit_session, rng)
     attn.run(q, k, v)
     assert explicit_session._load(explicit_session.last_variant).spin is False
+
+
+def test_queued_calls_are_waited_for_when_a_later_one_fails(explicit_session, rng, monkeypatch):
+    """Session.run_variants queues a plan's calls without waits; if one
+    cannot be queued, the ones before it are still reading their arguments
+    (host memory imported in place among them): they must be waited for
+    before the error reaches the caller, and the thread's next calls work."""
+    attn, (q, k, v), ref = _planned(explicit_session, rng)
+    variant, args = _args(attn, q, k, v)
+    loaded = explicit_session._load(variant)
+    good = loaded.invoke(args, 2)[0].to_host()
+    waited = []
+    wait = turbine_fmha.invoke._Call.wait
+    monkeypatch.setattr(turbine_fmha.invoke._Call, "wait", lambda self: (wait(self), waited.append(self)))
+    with pytest.raises(Exception):
+        explicit_session.run_variants(variant, [args, args, args[:-1]])  # the third is refused by the VM
+    assert len(waited) == 2
+    monkeypatch.undo()
+    got = explicit_session.run_variants(variant, [args, args])
+    for out, _ in got:
+        np.testing.assert_array_equal(out, good)

@@ -137,3 +137,14 @@ class _Call:
         device = self.loaded.config.device
         n = len(self.ret_list) if n is None else n
         return tuple(rt.DeviceArray(device, self.ret_list.get_as_object(i, rt.HalBufferView)) for i in range(n))
+
+
+def wait_all(calls) -> Exception | None:
+    """Waits for every call; returns the first failure (None if none)."""
+    first = None
+    for c in calls:
+        try:
+            c.wait()
+        except Exception as e:  # noqa: BLE001 - returned to the caller
+            first = first or e
+    return first

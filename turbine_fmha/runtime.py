@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .artifacts import ArtifactError  # re-exported: defined with the artifact store
 from .interop import DeviceInterop
-from .invoke import _Loaded
+from .invoke import _Loaded, wait_all
 from .plan_cache import PlanCache
 from .selection import VariantSelection, _problem_key
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
@@ -277,12 +277,18 @@ class Session(VariantSelection, DeviceInterop):
         independent). Results not asked for are never mapped or copied."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
-        # No call names the one before it as a wait: IREE's queue
-        # allocations then wait for it on the host, and the device idled
-        # while the next call was recorded (docs/perf-notes.md).
-        calls = [loaded.enqueue(list(args), own_timeline=i > 0) for i, args in enumerate(arg_lists)]
-        for c in calls:
-            c.wait()
+        # No call waits for the one before it: IREE's allocations would wait
+        # on the host, idling the device meanwhile (docs/perf-notes.md).
+        calls = []
+        try:
+            for i, args in enumerate(arg_lists):
+                calls.append(loaded.enqueue(list(args), own_timeline=i > 0))
+        finally:
+            # Every queued call is waited for, also when a later one could
+            # not be queued: they read their arguments' memory until done.
+            failure = wait_all(calls)
+        if failure is not None:
+            raise failure
         res = [c.results(outputs) for c in calls]
         if on_device:
             return res
