@@ -158,20 +158,11 @@ def _prefill(session, rng, rounds: int, calls: int = 10) -> None:
     """The 4096-row causal prefill (f16, page 16), as planned (row chunks),
     its kernel calls queued chained (each waiting for the one before) and
     unchained, back to back."""
-    import torch
-
-    import turbine_fmha
+    from h200_dispatch_profile import prefill_problem
     from turbine_fmha.arrays import _Results
 
     rows = 4096
-    pages = rows // PAGE
-    bt = rng.permutation(pages).astype(np.int32)[None]
-    k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
-    v = torch.randn_like(k)
-    q = torch.randn(1, rows, HQ, D, dtype=torch.float16, device="cuda")
-    attn = turbine_fmha.PagedAttention(session).plan(
-        bt, np.array([rows], np.int32), num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D,
-        dtype="f16", seqlen_q=rows, kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
+    attn, q, k, v = prefill_problem(session, rng, rows, PAGE)
     plan = attn._plan
     variant = plan._variant(True)
     results = _Results(session, q)

@@ -54,6 +54,23 @@ def decode_problem(rng, batch: int, keys: int):
     return pages, bt, np.full(batch, keys, np.int32), q, k, torch.randn_like(k)
 
 
+def prefill_problem(session, rng, rows: int, page: int):
+    """A causal prefill of `rows` rows (f16) over shuffled pages on the GPU,
+    planned: (PagedAttention, q, k cache, v cache)."""
+    import torch
+
+    import turbine_fmha
+
+    pages = rows // page
+    bt = rng.permutation(pages).astype(np.int32)[None]
+    k = torch.randn(pages, page, HK, D, dtype=torch.float16, device="cuda")
+    q = torch.randn(1, rows, HQ, D, dtype=torch.float16, device="cuda")
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, np.array([rows], np.int32), num_pages=pages, page_block_size=page, nhead_q=HQ, nhead_k=HK, hdim=D,
+        dtype="f16", seqlen_q=rows, kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
+    return attn, q, k, torch.randn_like(k)
+
+
 def dispatch_times(fn, calls: int) -> dict:
     """Device microseconds per call of `fn` by kernel name (CUPTI)."""
     import torch
@@ -104,21 +121,10 @@ def main() -> int:
 def prefill_pages(session, rng, calls: int = 10) -> None:
     """The 4096-row causal prefill (f16) over pages of 16 and of 64 rows,
     run() back to back: the page is the online kernels' key step."""
-    import torch
-
-    import turbine_fmha
-
     rows = 4096
     visible = rows * (rows + 1) // 2
     for page in (16, 64):
-        pages = rows // page
-        bt = rng.permutation(pages).astype(np.int32)[None]
-        k = torch.randn(pages, page, HK, D, dtype=torch.float16, device="cuda")
-        v = torch.randn_like(k)
-        q = torch.randn(1, rows, HQ, D, dtype=torch.float16, device="cuda")
-        attn = turbine_fmha.PagedAttention(session).plan(
-            bt, np.array([rows], np.int32), num_pages=pages, page_block_size=page, nhead_q=HQ, nhead_k=HK, hdim=D,
-            dtype="f16", seqlen_q=rows, kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
+        attn, q, k, v = prefill_problem(session, rng, rows, page)
         ms = _back_to_back(lambda: attn.run(q, k, v), calls, warmup=3)
         tflops = 4.0 * HQ * D * visible / (ms * 1e-3) / 1e12
         print(f"prefill 4096 causal, page {page}: run() back to back {ms:.3f} ms = {tflops:.1f} TFLOP/s "
