@@ -27,6 +27,12 @@ from .variants import (
 DEFAULT_HEADS = ((32, 8), (8, 8))
 DEFAULT_PAGES = (1, 16, 32, 64, 128)
 DEFAULT_HDIMS = (64, 128)
+# Any head counts (run-time heads, any GQA group: Variant.group) for these
+# head dims, in the explicit formulation: every model of them runs without
+# compiling, on any target (on GPUs slower than the online kernels, which
+# need the group static: built per model, `turbine-fmha build
+# --model-config`, or on first use).
+ANY_HEADS_HDIMS = (64, 128, 256)
 
 # Score-side features in the default sets (one feature at a time, plus
 # sinks with ALiBi): (bias, bias_shape, softcap, sinks).
@@ -53,11 +59,13 @@ def host_default_set() -> list[Variant]:
     """The CPU set: explicit formulation, dynamic batch and query rows.
 
     Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
-    mask; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
+    mask, and the same for any head counts with head dims 64/128/256
+    (ANY_HEADS_HDIMS); plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
     page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
     and fp8 (e4m3) static quantization.
     """
     out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
+    out += any_heads_variants(("f16", "bf16", "f32"), DEFAULT_PAGES)
     for dtype in ("f16", "bf16"):
         for mask in ("top_left", "bottom_right"):
             out += _feature_variants(dtype, 16, mask)
@@ -89,7 +97,8 @@ def gpu_default_set() -> list[Variant]:
     fp8 (e4m3fn, e4m3fnuz) KV caches come in the online decode tiles (those
     merging splits included) and in the explicit formulation for the rest,
     fp8 static quantization in the explicit one. Row-major online variants
-    of fp16/bf16 caches come with and without the V guard.
+    of fp16/bf16 caches come with and without the V guard. Any other head
+    counts run the explicit variants of any_heads_variants (pages 16, 64).
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -106,7 +115,13 @@ def gpu_default_set() -> list[Variant]:
             out += decode_variants(Variant(dtype, 128, 128, 32, 8, 16, "none", kv_dtype=kv).problem)
     out += without_v_guard(out)
     out += _static_quant_variants()
+    out += any_heads_variants(("f16", "bf16"), (16, 64))
     return out
+
+
+def any_heads_variants(dtypes, pages) -> list[Variant]:
+    """Explicit variants for any head counts (ANY_HEADS_HDIMS, every mask)."""
+    return plain_variants("explicit", dtypes, [(h, h) for h in ANY_HEADS_HDIMS], ((0, 0),), pages)
 
 
 def without_v_guard(variants: list[Variant]) -> list[Variant]:
@@ -119,7 +134,7 @@ def without_v_guard(variants: list[Variant]) -> list[Variant]:
 
 def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Variant]:
     """The featureless variants the runtime selects (selection.py) for each
-    combination of dtypes, (hdim_q, hdim_v), (nhead_q, nhead_k) and pages in
+    combination of dtypes, (hdim_q, hdim_v), heads (heads_fields) and pages in
     `formulation`. Explicit: one per mask. Online: decode tiles without a
     mask (attention._Plan drops a causal decode row's), those that merge
     split-KV partials in the module, prefill tiles without a mask and
@@ -128,8 +143,8 @@ def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Varian
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     out = []
-    for dtype, (hq, hv), (nq, nk), page in itertools.product(dtypes, hdims, heads, pages):
-        shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, nhead_q=nq, nhead_k=nk, page_block_size=page)
+    for dtype, (hq, hv), h, page in itertools.product(dtypes, hdims, heads, pages):
+        shape = dict(dtype=dtype, hdim_q=hq, hdim_v=hv, page_block_size=page, **heads_fields(h))
         p = Variant(**shape).problem
         if formulation == "online" and not online_unsupported(p):
             out += decode_variants(p)
@@ -137,6 +152,12 @@ def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Varian
         else:
             out += [Variant(**shape, mask=m) for m in MASKS]
     return out
+
+
+def heads_fields(heads: tuple) -> dict:
+    """The Variant fields of a head configuration: (nhead_q, nhead_k), or
+    (0, 0, group) for run-time head counts (group 0: any)."""
+    return dict(zip(("nhead_q", "nhead_k", "group"), heads))
 
 
 def decode_variants(problem: dict) -> list[Variant]:

@@ -93,7 +93,9 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
     online = kernel_formulation == "online"
     v = Variant(
         dtype=attrs["kv_dtype"] if q.dtype == torch.int8 else _DTYPE_NAME[q.dtype],
-        hdim_q=sym["D"], hdim_v=sym["DV"], nhead_q=sym["HQ"], nhead_k=sym["HK"], page_block_size=sym["PG"],
+        hdim_q=sym["D"], hdim_v=sym["DV"], page_block_size=sym["PG"],
+        nhead_q=0 if attrs["runtime_heads"] else sym["HQ"], nhead_k=0 if attrs["runtime_heads"] else sym["HK"],
+        group=attrs["group"],
         mask=attrs["mask"],
         bias="alibi" if tensors[names.index("alibi_slopes")] is not None else (
             "elementwise" if tensors[names.index("bias")] is not None else "none"),
@@ -173,13 +175,25 @@ def template_params(v: Variant) -> dict:
     types = sig.fwd_types(v)
     args = [a for a in sig.FWD.args if sig.present(v, a)]
     return dict(
-        sig=sig.mlir_header(sig.FWD, args, types),
-        dt=types.dtypes["Q"], HQ=v.nhead_q, HK=v.nhead_k, G=v.group_size, D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
+        sig=sig.mlir_header(sig.FWD, args, types), **head_params(v),
+        dt=types.dtypes["Q"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
         VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""), QF8=v.static_quant,
         V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
         SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, GP=v.padded_group, UNBOUNDED=UNBOUNDED,
         MERGE=v.merge_splits,
     )
+
+
+def head_params(v: Variant) -> dict:
+    """The head counts and GQA group as the templates write them: HQ, HK, G
+    in types (a size, or "?" where run-time), and HQV, HKV, GV as values
+    (the size, or the SSA value that the templates' head_counts() defines
+    from the arguments' shapes)."""
+    if not v.runtime_heads:
+        hq, hk, g = v.nhead_q, v.nhead_k, v.group_size
+        return dict(HQ=hq, HK=hk, G=g, HQV=hq, HKV=hk, GV=g)
+    g = v.group or "?"
+    return dict(HQ="?", HK="?", G=g, HQV="%nhq", HKV="%nhk", GV=v.group or "%ng")
 
 
 class PagedKVFwdExplicit(_PagedKVFwd):

@@ -361,7 +361,7 @@ class Problem:
         lay, s = self.layout, self.scores
         return dict(
             dtype=lay.dtype, hdim_q=lay.hdim_q, hdim_v=lay.hdim_v, nhead_q=lay.nhead_q, nhead_k=lay.nhead_k,
-            page_block_size=lay.page_block_size, mask=s.mask.type,
+            group=0, page_block_size=lay.page_block_size, mask=s.mask.type,
             bias="alibi" if s.alibi_slopes is not None else ("elementwise" if s.bias is not None else "none"),
             bias_shape="", softcap=s.softcap > 0, sinks=s.sinks is not None, v_layout=lay.v_layout,
             kv_dtype=lay.kv_dtype,

@@ -12,11 +12,19 @@ from .variants import (
     Variant,
     online_unsupported,
     online_variant,
+    runtime_heads,
 )
 
 
 def _problem_key(problem: dict) -> tuple:
-    return tuple(sorted(problem.items()))
+    # A problem without `group` has static head counts (Variant.group).
+    return tuple(sorted(dict({"group": 0}, **problem).items()))
+
+
+def _heads_rank(v: Variant) -> int:
+    """Exact head counts first, then run-time ones for the group, then for
+    any group: the most specialized kernel of equal cost."""
+    return 0 if not v.runtime_heads else (1 if v.group else 2)
 
 
 # What one more prefill launch costs, in score elements (query rows x keys)
@@ -36,7 +44,7 @@ def prefill_tile_cost(rows: int, tile: int) -> int:
 
 
 class VariantSelection:
-    """Mixed into Session: needs `_by_problem`, `formulation`,
+    """Mixed into Session: needs `_by_problem`, `_index`, `formulation`,
     `compile_missing`, `target` and `artifact_dir`."""
 
     def build_hint(self, name: str) -> str:
@@ -60,7 +68,7 @@ class VariantSelection:
         are finite (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem, seqlen_q == 1)
         cands = [
-            v for v in self._by_problem.get(_problem_key(problem), [])
+            v for v in self._served_by(problem)
             if v.formulation == formulation and (v.v_guard or stale_rows_finite) and v.merge_splits == merge
         ]
         if self.compile_missing:
@@ -70,7 +78,7 @@ class VariantSelection:
             if preferred not in cands:
                 cands.append(preferred)
         if not cands:
-            described = ", ".join(f"{k}={v}" for k, v in problem.items())
+            described = ", ".join(f"{k}={v}" for k, v in problem.items() if k != "group")
             raise ArtifactError(f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
                                 + self.build_hint(self._default_variant_for(problem, seqlen_q).name))
 
@@ -78,15 +86,17 @@ class VariantSelection:
             # Least padded work first, then fewest kernel calls; for a decode
             # the other way round: one more launch costs more host time than
             # padded batch entries cost on the device (docs/perf-notes.md).
+            # At equal cost, a built variant before compiling one, then the
+            # most specialized heads.
+            tail = (v.v_guard, v.name not in self._index, _heads_rank(v))
             if v.formulation == "explicit":
-                return (0, 0, True)
+                return (0, 0) + tail
             btiles = -(-batch // v.batch_tile)
             qtiles = -(-seqlen_q // v.seqlen_q_tile)
             padded, launches = btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles
             if seqlen_q == 1:
-                return launches, padded, v.v_guard
-            return padded, btiles * prefill_tile_cost(seqlen_q, v.seqlen_q_tile) if skips_masked else launches, \
-                v.v_guard
+                return (launches, padded) + tail
+            return (padded, btiles * prefill_tile_cost(seqlen_q, v.seqlen_q_tile) if skips_masked else launches) + tail
 
         return min(cands, key=cost)
 
@@ -96,7 +106,7 @@ class VariantSelection:
         if self.compile_missing:
             return GPU_DECODE_TILES[-1][0]
         formulation = self._formulation_for(problem, True)
-        return max((v.batch_tile for v in self._by_problem.get(_problem_key(problem), [])
+        return max((v.batch_tile for v in self._served_by(problem)
                     if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merge_splits), default=0)
 
     def merge_splits_for(self, problem: dict) -> tuple:
@@ -108,7 +118,7 @@ class VariantSelection:
             return ()
         if self.compile_missing:
             return MERGE_SPLITS
-        return tuple(sorted({v.merge_splits for v in self._by_problem.get(_problem_key(problem), [])
+        return tuple(sorted({v.merge_splits for v in self._served_by(problem)
                              if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merge_splits
                              and v.v_guard}))
 
@@ -118,20 +128,39 @@ class VariantSelection:
         if self.compile_missing:
             return True
         formulation = self._formulation_for(problem, decode)
-        return any(v.formulation == formulation for v in self._by_problem.get(_problem_key(problem), []))
+        return any(v.formulation == formulation for v in self._served_by(problem))
+
+    def _served_by(self, problem: dict) -> list[Variant]:
+        """The listed variants that can serve a call of `problem`: those of
+        its head counts, then those reading head counts at run time for its
+        GQA group, then for any group."""
+        keys = [problem]
+        if problem["nhead_k"]:
+            keys += [runtime_heads(problem), runtime_heads(problem, any_group=True)]
+        return [v for k in keys for v in self._by_problem.get(_problem_key(k), [])]
 
     def _formulation_for(self, problem: dict, decode: bool = False) -> str:
         """The session's formulation, unless the online one cannot serve the
         problem (variants.online_unsupported; `decode`: a call of one query
-        row): then the explicit one."""
-        if self.formulation == "online" and online_unsupported(problem, decode):
+        row), or no online variant for it is built and none may be compiled
+        while an explicit one is built (the default sets' variants for any
+        head counts): then the explicit one."""
+        if self.formulation == "online" and (online_unsupported(problem, decode) or self._explicit_only(problem)):
             return "explicit"
         return self.formulation
+
+    def _explicit_only(self, problem: dict) -> bool:
+        if self.compile_missing:
+            return False
+        formulations = {v.formulation for v in self._served_by(problem)}
+        return formulations == {"explicit"}
 
     def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False,
                              batch: int = 1, merge: int = 0) -> Variant:
         if self._formulation_for(problem, seqlen_q == 1) == "explicit":
-            return Variant(**problem)
+            # Run-time head counts cost the CPU kernels little (docs/perf-
+            # notes.md), and one compile then serves every model of the group.
+            return Variant(**runtime_heads(problem))
         # Decode: the smallest batch tile that holds the batch in one launch.
         tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(
             t for t, n in MERGED_DECODE_TILES if n == merge)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-# Heads, head dims and page size are always static; the online formulation
-# also fixes batch tile and query rows (on gfx942 a dynamic query length
-# gets no MFMA).
+# Head dims and page size are always static, and heads unless the variant
+# reads them at run time (fwd_types); the online formulation also fixes
+# batch tile and query rows (on gfx942 a dynamic query length gets no MFMA).
 STATIC = {
     "explicit": frozenset({"HQ", "HK", "D", "DV", "PG"}),
     "online": frozenset({"HQ", "HK", "D", "DV", "PG", "B", "BO", "S"}),
@@ -96,7 +96,8 @@ FWD = Kernel(
         Tensor("sinks", ("HQ",), "f32", when="sinks"),
     ),
     attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("v_layout", "str"), Attr("kv_dtype", "str"),
-           Attr("v_guard", "int"), Attr("group_rows", "int"), Attr("merge_splits", "int")),
+           Attr("v_guard", "int"), Attr("group_rows", "int"), Attr("merge_splits", "int"),
+           Attr("runtime_heads", "int"), Attr("group", "int")),
     results=(
         Tensor("out", ("BO", "S", "HQ", "DV"), "Q"),
         Tensor("lse", _STATS, "f32"),
@@ -167,7 +168,8 @@ def fwd_attrs(v) -> dict:
     quantization (q is then i8)."""
     return dict(mask=v.mask, softcap=int(v.softcap), v_layout=v.v_layout,
                 kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard),
-                group_rows=v.group_rows, merge_splits=v.merge_splits)
+                group_rows=v.group_rows, merge_splits=v.merge_splits, runtime_heads=int(v.runtime_heads),
+                group=v.group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +188,11 @@ def _bound(sizes: dict, static: frozenset) -> dict:
 
 
 def fwd_types(v) -> Types:
-    """The attention declaration bound for Variant `v`."""
+    """The attention declaration bound for Variant `v` (head counts dynamic
+    where the variant reads them at run time)."""
+    hq, hk = ("?", "?") if v.runtime_heads else (v.nhead_q, v.nhead_k)
     sym = _bound({"B": v.batch_tile, "BO": v.batch_tile // max(1, v.merge_splits), "S": v.seqlen_q_tile,
-                  "HQ": v.nhead_q, "HK": v.nhead_k, "D": v.hdim_q, "DV": v.hdim_v, "PG": v.page_block_size,
+                  "HQ": hq, "HK": hk, "D": v.hdim_q, "DV": v.hdim_v, "PG": v.page_block_size,
                   "NP": 0, "W": 0, "N": 0}, STATIC[v.formulation])
     if v.bias == "elementwise":
         sym["B|1"] = sym["B"] if v.bias_shape[0] == "b" else 1

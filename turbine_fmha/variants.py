@@ -64,21 +64,21 @@ class Variant(Named):
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
     hdim_q: int = dataclasses.field(metadata=number(1, "_d"))
     hdim_v: int = dataclasses.field(metadata=number(2, "x"))
-    nhead_q: int = dataclasses.field(metadata=number(3, "_h"))
-    nhead_k: int = dataclasses.field(metadata=number(4, "x"))
-    page_block_size: int = dataclasses.field(metadata=number(5, "_pg"))
-    mask: str = dataclasses.field(default="none", metadata=enum(8, _MASK_TAG))
-    bias: str = dataclasses.field(default="none", metadata=enum(9, {"none": "", "alibi": "_alibi", "elementwise": "_bias"}))
-    bias_shape: str = dataclasses.field(default="", metadata=enum(10, {s: s for s in ("",) + BIAS_SHAPES}))
-    softcap: bool = dataclasses.field(default=False, metadata=enum(11, _flag("_softcap")))
-    sinks: bool = dataclasses.field(default=False, metadata=enum(12, _flag("_sink")))
+    nhead_q: int = dataclasses.field(metadata=number(3, "_h", omit=0))
+    nhead_k: int = dataclasses.field(metadata=number(4, "x", omit=0))
+    page_block_size: int = dataclasses.field(metadata=number(6, "_pg"))
+    mask: str = dataclasses.field(default="none", metadata=enum(9, _MASK_TAG))
+    bias: str = dataclasses.field(default="none", metadata=enum(10, {"none": "", "alibi": "_alibi", "elementwise": "_bias"}))
+    bias_shape: str = dataclasses.field(default="", metadata=enum(11, {s: s for s in ("",) + BIAS_SHAPES}))
+    softcap: bool = dataclasses.field(default=False, metadata=enum(12, _flag("_softcap")))
+    sinks: bool = dataclasses.field(default=False, metadata=enum(13, _flag("_sink")))
     # V cache layout: "row" [pages, page, nhead_k, hdim_v] or "col"
     # [pages, nhead_k, hdim_v, page] (ck_tile's column-major V).
-    v_layout: str = dataclasses.field(default="row", metadata=enum(6, {"row": "", "col": "_vcol"}))
+    v_layout: str = dataclasses.field(default="row", metadata=enum(7, {"row": "", "col": "_vcol"}))
     # fp8 KV cache format ("" = same as dtype); queries stay fp16/bf16.
-    kv_dtype: str = dataclasses.field(default="", metadata=enum(7, {"": ""} | {k: f"_kv{k}" for k in KV_DTYPES}))
-    lse: bool = dataclasses.field(default=True, metadata=enum(13, {True: "_lse", False: "_nlse"}))
-    formulation: str = dataclasses.field(default="explicit", metadata=enum(14, {f: f"_{f}" for f in FORMULATIONS}))
+    kv_dtype: str = dataclasses.field(default="", metadata=enum(8, {"": ""} | {k: f"_kv{k}" for k in KV_DTYPES}))
+    lse: bool = dataclasses.field(default=True, metadata=enum(14, {True: "_lse", False: "_nlse"}))
+    formulation: str = dataclasses.field(default="explicit", metadata=enum(15, {f: f"_{f}" for f in FORMULATIONS}))
     # The stale-row guard: zero the value rows that hold no key (the tail of
     # a sequence's last page, the head of its first page with gappy KV)
     # before the PV product, so that non-finite stale values cannot reach
@@ -88,10 +88,10 @@ class Variant(Named):
     # on the H200, and the runtime uses them only after checking that
     # those rows are finite (plan.stale_rows_finite). Both propagate NaN
     # exactly as the reference does.
-    v_guard: bool = dataclasses.field(default=True, metadata=enum(17, _flag("_nvguard", when=False)))
+    v_guard: bool = dataclasses.field(default=True, metadata=enum(18, _flag("_nvguard", when=False)))
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
-    batch_tile: int = dataclasses.field(default=0, metadata=number(15, "_b", omit=0))
-    seqlen_q_tile: int = dataclasses.field(default=0, metadata=number(16, "_q", omit=0))
+    batch_tile: int = dataclasses.field(default=0, metadata=number(16, "_b", omit=0))
+    seqlen_q_tile: int = dataclasses.field(default=0, metadata=number(17, "_q", omit=0))
     # Query rows per KV head the attention op computes (online only; 0 = the
     # GQA group x seqlen_q_tile, unpadded): the group is zero-padded up to
     # group_rows / seqlen_q_tile heads. IREE's GPU configuration uses no
@@ -99,14 +99,20 @@ class Variant(Named):
     # 4), and mma.sync / MFMA tiles are 16 rows; padded, a decode reads each
     # K/V page once per KV head instead of once per query head
     # (docs/perf-notes.md).
-    group_rows: int = dataclasses.field(default=0, metadata=number(18, "_m", omit=0))
+    group_rows: int = dataclasses.field(default=0, metadata=number(19, "_m", omit=0))
     # Split-KV merged inside the module (online only; 0 = no merge): the
     # kernel's batch_tile entries are split j of sequence b at entry
     # b * merge_splits + j (plan.split_kv), q and the results are per
     # sequence, and the partials are merged before the epilogue. A host
     # merge of the partials costs more than the splits save on a GPU
     # (plan.DECODE_ITEMS_PER_UNIT).
-    merge_splits: int = dataclasses.field(default=0, metadata=number(19, "_x", omit=0))
+    merge_splits: int = dataclasses.field(default=0, metadata=number(20, "_x", omit=0))
+    # Run-time head counts: a variant with nhead_q = nhead_k = 0 reads both
+    # from its arguments' shapes, so one artifact serves every model of its
+    # other fields. `group` is then its static GQA group (nhead_q / nhead_k,
+    # named _g<group>), or 0 for any group (explicit formulation only: the
+    # online one needs the group's rows static for the matrix cores).
+    group: int = dataclasses.field(default=0, metadata=number(5, "_g", omit=0))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -132,13 +138,10 @@ class Variant(Named):
             raise ValueError("logits soft-cap cannot be combined with a bias or ALiBi")
         if self.formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}")
-        for f in ("hdim_q", "hdim_v", "nhead_q", "nhead_k", "page_block_size"):
+        for f in ("hdim_q", "hdim_v", "page_block_size"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
-        if self.nhead_q % self.nhead_k:
-            raise ValueError(
-                f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})"
-            )
+        self._check_heads()
         static = self.batch_tile > 0 and self.seqlen_q_tile > 0
         if self.formulation == "online" and not static:
             raise ValueError("online variants need batch_tile and seqlen_q_tile > 0")
@@ -160,6 +163,22 @@ class Variant(Named):
         if not self.v_guard and (self.formulation != "online" or self.kv_dtype or self.v_layout != "row"):
             raise ValueError("only online variants with a row-major fp16/bf16/f32 V cache can drop the V guard")
 
+    def _check_heads(self):
+        if self.runtime_heads:
+            if self.group < 0 or (self.formulation == "online" and not self.group):
+                raise ValueError(f"a variant with run-time head counts has a static GQA group >= 1, or 0 (any "
+                                 f"group) in the explicit formulation; got group={self.group}")
+        elif self.nhead_q <= 0 or self.nhead_k <= 0 or self.group:
+            raise ValueError(f"nhead_q and nhead_k must be positive (or both 0, for run-time head counts, with "
+                             f"`group`), got nhead_q={self.nhead_q}, nhead_k={self.nhead_k}, group={self.group}")
+        elif self.nhead_q % self.nhead_k:
+            raise ValueError(f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})")
+
+    @property
+    def runtime_heads(self) -> bool:
+        """Head counts read from the arguments at run time (Variant.group)."""
+        return self.nhead_q == 0 and self.nhead_k == 0
+
     @property
     def static_quant(self) -> bool:
         """fp8 Q/K/V/output (ck_tile's kDoFp8StaticQuant)."""
@@ -172,7 +191,8 @@ class Variant(Named):
 
     @property
     def group_size(self) -> int:
-        return self.nhead_q // self.nhead_k
+        """The GQA group (0: any, decided at run time)."""
+        return self.group if self.runtime_heads else self.nhead_q // self.nhead_k
 
     @property
     def padded_group(self) -> int:
@@ -232,6 +252,7 @@ PROBLEM_FIELDS = (
     "hdim_v",
     "nhead_q",
     "nhead_k",
+    "group",
     "page_block_size",
     "mask",
     "bias",
@@ -274,11 +295,22 @@ GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 MMA_ROWS = 16
 
 
+def group_of(problem: dict) -> int:
+    """The GQA group of `problem` (a call's, or a variant's: 0 for any)."""
+    return problem.get("group", 0) if problem["nhead_k"] == 0 else problem["nhead_q"] // problem["nhead_k"]
+
+
+def runtime_heads(problem: dict, any_group: bool = False) -> dict:
+    """The problem of the variants with run-time head counts that serve a
+    call of `problem`: for its GQA group, or for any group."""
+    return dict(problem, nhead_q=0, nhead_k=0, group=0 if any_group else group_of(problem))
+
+
 def group_rows_for(problem: dict, seqlen_q_tile: int) -> int:
     """The group_rows of `problem`'s online variants with `seqlen_q_tile`
     query rows: MMA_ROWS where the GQA group's rows are fewer (a decode) and
     there are no per-head score terms, else 0 (Variant.group_rows)."""
-    group = problem["nhead_q"] // problem["nhead_k"]
+    group = group_of(problem)
     per_head = problem["bias"] == "alibi" or (problem["bias"] == "elementwise" and problem["bias_shape"][1] == "h")
     pad = group * seqlen_q_tile < MMA_ROWS and MMA_ROWS % seqlen_q_tile == 0 and not per_head
     return MMA_ROWS if pad else 0
