@@ -4,13 +4,14 @@
 Verifies, against the float64 reference, calls whose head counts no variant
 was built for: each artifact directory given is loaded on its own, so that
 what serves a call is what that directory holds (--static: exact head
-counts; --group: run-time heads for a GQA group; --any: the explicit
-variants for any head counts, which a GPU session falls back to). Then
+counts; --group: run-time heads for a GQA group; --any-online: run-time
+heads for any group, padded; --any: the explicit variants for any head
+counts, which a GPU session falls back to). Then
 times PagedAttention.run() of the GQA 32/8 shapes with each directory,
 rounds interleaved, and torch gather+SDPA in the same run.
 
-  python3 scripts/h200_runtime_heads.py --device cuda \
-      --static artifacts-h200s --group artifacts-h200rt --any artifacts-h200any
+  python3 scripts/h200_runtime_heads.py --device cuda --static artifacts-h200s \
+      --group artifacts-h200rt --any-online artifacts-h200anyon --any artifacts-h200any
 """
 
 from __future__ import annotations
@@ -120,17 +121,23 @@ def time_run(session, shape, dtype, repeat, sync):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--static", required=True)
-    ap.add_argument("--group", required=True)
-    ap.add_argument("--any", required=True)
+    ap.add_argument("--static", help="exact head counts (GQA 32/8)")
+    ap.add_argument("--group", help="online, run-time heads for GQA group 4")
+    ap.add_argument("--any-online", help="online, run-time heads for any group (padded)")
+    ap.add_argument("--any", help="explicit, any head counts")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng()
-    sessions = {k: recording(turbine_fmha.Session(args.device, artifact_dir=getattr(args, k)))
-                for k in ("static", "group", "any")}
-    ok = verify(sessions["group"], rng, "group", ((32, 8), (16, 4), (4, 1), (40, 10)), (128,))
-    ok &= verify(sessions["any"], rng, "any", ((32, 8), (28, 4), (12, 2), (16, 16), (8, 1)), (64, 128, 256))
+    dirs = {k: getattr(args, k) for k in ("static", "group", "any_online", "any") if getattr(args, k)}
+    sessions = {k: recording(turbine_fmha.Session(args.device, artifact_dir=d)) for k, d in dirs.items()}
+    checks = {"group": (((32, 8), (16, 4), (4, 1), (40, 10)), (128,)),
+              "any_online": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (64, 4), (24, 8)), (128,)),
+              "any": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1)), (64, 128, 256))}
+    ok = True
+    for k, (heads, hdims) in checks.items():
+        if k in sessions:
+            ok &= verify(sessions[k], rng, k, heads, hdims)
     print("verify", "PASS" if ok else "FAIL")
     if args.no_time:
         return 0 if ok else 1

@@ -42,9 +42,9 @@ def test_default_names_unchanged():
     digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
     assert digest == "2012a7407a77daf7021a50894fc0400145f3ba20ffc806d8cc240f6cdfa56609"
     any_heads = sorted({v.name for v in variants if v.runtime_heads})
-    assert len(any_heads) == 135
+    assert len(any_heads) == 243
     digest = hashlib.sha256("\n".join(any_heads).encode()).hexdigest()
-    assert digest == "5b292d5a2b66f897c29e26a8bb26236043cd916b34f8576f3eeccae4ae2006e7"
+    assert digest == "8df50042d320e7423391d1d2c785bf82309423b83f45de4ea9ff77aa70a9a0aa"
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

@@ -130,6 +130,30 @@ def test_online_group_variants(rng):
         assert session.last_variant == variants[2]
 
 
+def test_online_any_group_variants(rng):
+    """The online variants for any group: the group is zero-padded at run
+    time, to 16 rows for a decode and to the smallest padded group that
+    holds it for a prefill."""
+    p = Variant("f16", 64, 64, 0, 0, 16).problem
+    variants = [online_variant(p, 32, 1), online_variant(p, 32, 1, merge_splits=4)]
+    variants += [online_variant(dict(p, mask="bottom_right"), 1, 16, group_rows=gp * 16) for gp in (2, 4, 8)]
+    session = _built("online-any", variants, formulation="online")
+    for hq, hk, gp in ((4, 4, 2), (12, 4, 4), (10, 2, 8), (28, 4, 8), (16, 1, None)):
+        q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[700, 0, 333], nhead_q=hq,
+                                       nhead_k=hk, hdim=64, page=16)
+        out = np.full((3, 1, hq, 64), np.nan, np.float16)
+        out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, out=out, return_lse=True,
+                                               session=session)
+        assert session.last_variant == variants[1]
+        _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+        if gp is None:
+            continue  # a group of 16 has no prefill variant here
+        p2 = make_problem(rng, dtype="f16", batch=2, seqlen_q=20, seqlens_k=[20, 70], nhead_q=hq, nhead_k=hk,
+                          hdim=64, page=16)
+        run_and_check(session, p2, dtype="f16", mask_type="bottom_right")
+        assert session.last_variant.padded_group == gp
+
+
 def test_column_major_v_and_fp8_cache(rng):
     vcol = Variant("f16", 64, 64, 0, 0, 16, "bottom_right", v_layout="col")
     fp8 = Variant("f16", 64, 64, 0, 0, 16, "bottom_right", kv_dtype="f8e4m3fn")
@@ -189,6 +213,19 @@ def test_a_built_variant_is_used_before_compiling_one():
     # serves every model of the group).
     assert _Listing([], "explicit", compile_missing=True).select(_call(12, 4), 5, 2) == Variant(
         **runtime_heads(_call(12, 4)))
+
+
+def test_any_group_online_serves_groups_up_to_its_padding():
+    p = Variant("f16", 64, 64, 0, 0, 16, "bottom_right").problem
+    pads = {gp: online_variant(p, 1, 128, group_rows=gp * 128) for gp in (4, 8)}
+    decode = online_variant(dict(p, mask="none"), 8, 1)
+    s = _Listing([decode, *pads.values()], "online")
+    assert s.select(_call(12, 4, mask="bottom_right"), 100, 1) == pads[4]
+    assert s.select(_call(40, 8, mask="bottom_right"), 100, 1) == pads[8]
+    assert s.select(_call(64, 4), 1, 2) == decode  # 16 query heads per KV head
+    for too_big in (_call(72, 8, mask="bottom_right"), _call(34, 2)):
+        with pytest.raises(ArtifactError):
+            s.select(too_big, 1 if too_big["mask"] == "none" else 100, 1)
 
 
 def test_gpu_sessions_fall_back_to_the_any_heads_variants():

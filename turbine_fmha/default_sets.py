@@ -97,8 +97,10 @@ def gpu_default_set() -> list[Variant]:
     fp8 (e4m3fn, e4m3fnuz) KV caches come in the online decode tiles (those
     merging splits included) and in the explicit formulation for the rest,
     fp8 static quantization in the explicit one. Row-major online variants
-    of fp16/bf16 caches come with and without the V guard. Any other head
-    counts run the explicit variants of any_heads_variants (pages 16, 64).
+    of fp16/bf16 caches come with and without the V guard. Other head
+    counts run the online variants for any group (head dim 128, page 16,
+    groups up to 16: _any_group_gpu_defaults), else the explicit variants
+    of any_heads_variants (head dims 64/128/256, pages 16/64).
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -113,10 +115,39 @@ def gpu_default_set() -> list[Variant]:
                 out.append(Variant(dtype, 128, 128, 32, 8, 16, mask, kv_dtype=kv))
         for kv in ("f8e4m3fn", "f8e4m3fnuz"):
             out += decode_variants(Variant(dtype, 128, 128, 32, 8, 16, "none", kv_dtype=kv).problem)
+    out += _any_group_gpu_defaults()
     out += without_v_guard(out)
     out += _static_quant_variants()
     out += any_heads_variants(("f16", "bf16"), (16, 64))
     return out
+
+
+# The padded GQA groups of the online prefill variants for any head counts:
+# a call runs the smallest that holds its group (decodes pad every group to
+# MMA_ROWS rows). Not 1: IREE 3.13 gives a group padded to 1 row (a unit
+# dim among the attention's M dims) no MFMA on gfx942; MHA pads to 2.
+ANY_GROUP_PREFILL_PADS = (2, 4, 8, 16)
+
+
+def any_group_online_variants(problem: dict, prefill_tiles=GPU_PREFILL_TILES, merged_tiles=MERGED_DECODE_TILES):
+    """The online variants of `problem` (run-time head counts, any group):
+    the decode tiles, those merging split-KV partials in `merged_tiles`, and
+    each of `prefill_tiles` for each padded group of ANY_GROUP_PREFILL_PADS,
+    without a mask and bottom-right."""
+    out = [online_variant(problem, t, 1) for t, _ in GPU_DECODE_TILES]
+    out += [online_variant(problem, t, 1, merge_splits=n) for t, n in merged_tiles]
+    for (bt, mq), m, gp in itertools.product(prefill_tiles, ("none", "bottom_right"), ANY_GROUP_PREFILL_PADS):
+        out.append(online_variant(dict(problem, mask=m), bt, mq, group_rows=gp * mq))
+    return out
+
+
+def _any_group_gpu_defaults() -> list[Variant]:
+    # fp16/bf16, head dim 128, page 16; merges in the 128-entry tile only
+    # (every split count fits one launch of it) and the 128- and 1024-row
+    # prefill tiles: the GPU set's compile time stays within CI's.
+    return [v for dtype in ("f16", "bf16")
+            for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2],
+                                               [(t, n) for t, n in MERGED_DECODE_TILES if t == 128])]
 
 
 def any_heads_variants(dtypes, pages) -> list[Variant]:

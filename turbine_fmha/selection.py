@@ -10,6 +10,7 @@ from .variants import (
     MERGE_SPLITS,
     MERGED_DECODE_TILES,
     Variant,
+    group_of,
     online_unsupported,
     online_variant,
     runtime_heads,
@@ -93,7 +94,8 @@ class VariantSelection:
                 return (0, 0) + tail
             btiles = -(-batch // v.batch_tile)
             qtiles = -(-seqlen_q // v.seqlen_q_tile)
-            padded, launches = btiles * v.batch_tile * qtiles * v.seqlen_q_tile, btiles * qtiles
+            rows = btiles * v.batch_tile * qtiles * v.seqlen_q_tile
+            padded, launches = rows * (v.padded_group or group_of(problem)), btiles * qtiles
             if seqlen_q == 1:
                 return (launches, padded) + tail
             return (padded, btiles * prefill_tile_cost(seqlen_q, v.seqlen_q_tile) if skips_masked else launches) + tail
@@ -137,7 +139,8 @@ class VariantSelection:
         keys = [problem]
         if problem["nhead_k"]:
             keys += [runtime_heads(problem), runtime_heads(problem, any_group=True)]
-        return [v for k in keys for v in self._by_problem.get(_problem_key(k), [])]
+        group = group_of(problem)
+        return [v for k in keys for v in self._by_problem.get(_problem_key(k), []) if v.serves_group(group)]
 
     def _formulation_for(self, problem: dict, decode: bool = False) -> str:
         """The session's formulation, unless the online one cannot serve the

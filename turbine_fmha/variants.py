@@ -110,8 +110,9 @@ class Variant(Named):
     # Run-time head counts: a variant with nhead_q = nhead_k = 0 reads both
     # from its arguments' shapes, so one artifact serves every model of its
     # other fields. `group` is then its static GQA group (nhead_q / nhead_k,
-    # named _g<group>), or 0 for any group (explicit formulation only: the
-    # online one needs the group's rows static for the matrix cores).
+    # named _g<group>), or 0 for any group: in the online formulation any
+    # group up to its padded group (group_rows / seqlen_q_tile), whose rows
+    # the matrix cores need static.
     group: int = dataclasses.field(default=0, metadata=number(5, "_g", omit=0))
 
     def __post_init__(self):
@@ -165,9 +166,10 @@ class Variant(Named):
 
     def _check_heads(self):
         if self.runtime_heads:
-            if self.group < 0 or (self.formulation == "online" and not self.group):
+            if self.group < 0 or (self.formulation == "online" and not (self.group or self.group_rows)):
                 raise ValueError(f"a variant with run-time head counts has a static GQA group >= 1, or 0 (any "
-                                 f"group) in the explicit formulation; got group={self.group}")
+                                 f"group): in the online formulation, any group up to the padded one "
+                                 f"(group_rows); got group={self.group}")
         elif self.nhead_q <= 0 or self.nhead_k <= 0 or self.group:
             raise ValueError(f"nhead_q and nhead_k must be positive (or both 0, for run-time head counts, with "
                              f"`group`), got nhead_q={self.nhead_q}, nhead_k={self.nhead_k}, group={self.group}")
@@ -198,6 +200,13 @@ class Variant(Named):
     def padded_group(self) -> int:
         """Query heads per KV head the attention op computes (group_rows)."""
         return self.group_rows // self.seqlen_q_tile if self.group_rows else self.group_size
+
+    def serves_group(self, group: int) -> bool:
+        """Whether a call with this GQA group can run this variant's heads
+        (selection has matched the rest)."""
+        if not self.runtime_heads:
+            return group == self.group_size
+        return group == self.group if self.group else self.formulation == "explicit" or group <= self.padded_group
 
     @property
     def problem(self) -> dict:
@@ -319,8 +328,8 @@ def group_rows_for(problem: dict, seqlen_q_tile: int) -> int:
 def online_variant(problem: dict, batch_tile: int, seqlen_q_tile: int, **fields) -> Variant:
     """The online variant serving `problem` with these tiles, its GQA group
     padded by group_rows_for."""
-    return Variant(**problem, formulation="online", batch_tile=batch_tile, seqlen_q_tile=seqlen_q_tile,
-                   group_rows=group_rows_for(problem, seqlen_q_tile), **fields)
+    fields.setdefault("group_rows", group_rows_for(problem, seqlen_q_tile))
+    return Variant(**problem, formulation="online", batch_tile=batch_tile, seqlen_q_tile=seqlen_q_tile, **fields)
 
 
 def target_unsupported(variant: Variant, target_kind: str) -> str | None:
