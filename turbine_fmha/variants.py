@@ -10,7 +10,8 @@ Which sizes are static is a codegen decision:
     batch tile ``bt`` and query rows ``mq`` static, page count dynamic. On
     gfx942 a dynamic query length compiles to per-lane FMA with no MFMA,
     while static rows and query length get MFMA; the runtime pads/chunks.
-Heads, head dims and page size are static in every variant.
+Head dims and page size are static in every variant; head counts too,
+unless the variant reads them at run time (Variant.group).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _flag(text: str, when=True) -> dict:
 @dataclasses.dataclass(frozen=True, order=True)
 class Variant(Named):
     # The metadata writes the name (naming.NameCodec): pagedkv_fwd_<dtype>
-    # _d<hdim_q>x<hdim_v>_h<nhead_q>x<nhead_k>_pg<page>[_vcol][_kv<fp8>]
+    # _d<hdim_q>x<hdim_v>[_h<nhead_q>x<nhead_k>|_g<group>]_pg<page>[_vcol][_kv<fp8>]
     # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
     # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>][_x<merge_splits>].
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
