@@ -91,6 +91,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--decodes", default=None,
+                    help="only these fp16 decodes, e.g. 32x4096,1x32768 (batch x keys); no mixed batch or prefill")
     args = ap.parse_args()
     import torch
 
@@ -98,7 +100,8 @@ def main() -> int:
 
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)
-    for batch, keys, kv in SHAPES:
+    shapes = SHAPES if not args.decodes else [(*map(int, d.split("x")), None) for d in args.decodes.split(",")]
+    for batch, keys, kv in shapes:
         pages, bt, sk, q, k, v = decode_problem(rng, batch, keys)
         if kv:
             k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
@@ -113,8 +116,9 @@ def main() -> int:
               f"splits {attn._plan.splits}, {variant.name}")
         for name, us in sorted(per.items(), key=lambda x: -x[1]):
             print(f"    {us:8.1f} us  {name[:110]}")
-    mixed_batch(session, rng, args.calls)
-    prefill_pages(session, rng)
+    if not args.decodes:
+        mixed_batch(session, rng, args.calls)
+        prefill_pages(session, rng)
     return 0
 
 
