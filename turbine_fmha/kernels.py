@@ -192,8 +192,7 @@ def head_params(v: Variant) -> dict:
     if not v.runtime_heads:
         hq, hk, g = v.nhead_q, v.nhead_k, v.group_size
         return dict(HQ=hq, HK=hk, G=g, HQV=hq, HKV=hk, GV=g)
-    g = v.group or "?"
-    return dict(HQ="?", HK="?", G=g, HQV="%nhq", HKV="%nhk", GV=v.group or "%ng")
+    return dict(HQ="?", HK="?", G=v.group or "?", HQV="%nhq", HKV="%nhk", GV=v.group or "%ng")
 
 
 class PagedKVFwdExplicit(_PagedKVFwd):
