@@ -46,6 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
 from turbine_fmha.arrays import _bf16, aligned_empty  # noqa: E402
+from turbine_fmha.artifacts import ArtifactError  # noqa: E402
 from turbine_fmha import plan as tf_plan  # noqa: E402
 from turbine_fmha.mask import MaskSpec  # noqa: E402
 from turbine_fmha.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv  # noqa: E402
@@ -63,6 +64,14 @@ SHAPES = {
     ],
 }
 HQ, HK, D, PAGE = 32, 8, 128, 16
+# The caches' page layout (--kv-layout): "NHD" [pages, PAGE, HK, D] or
+# "HND" [pages, HK, PAGE, D].
+KV_LAYOUT = "NHD"
+
+
+def as_layout(cache):
+    """An NHD cache in KV_LAYOUT (a copy for HND)."""
+    return np.ascontiguousarray(cache.transpose(0, 2, 1, 3)) if KV_LAYOUT == "HND" else cache
 
 
 def np_dtype(name):
@@ -113,7 +122,8 @@ def make_inputs(rng, shape, dtype):
     # 64-byte aligned, as PagedKVCache and aligned_zeros keep a service's
     # caches: CPU kernels read those in place, and copy any other array per
     # call (arrays.kernel_host_array), which would time a copy of the cache.
-    k_cache, v_cache = (aligned_empty((num_pages, PAGE, HK, D), dt) for _ in range(2))
+    page_shape = (HK, PAGE, D) if KV_LAYOUT == "HND" else (PAGE, HK, D)
+    k_cache, v_cache = (aligned_empty((num_pages, *page_shape), dt) for _ in range(2))
     k_cache[...] = rng.standard_normal(k_cache.shape, dtype=np.float32)
     v_cache[...] = rng.standard_normal(v_cache.shape, dtype=np.float32)
     block_table = rng.permutation(num_pages)[: b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
@@ -157,7 +167,7 @@ def feature_variant(dtype, shape, kw, tiles=None):
         dtype, D, D, HQ, HK, PAGE, kw["mask_type"],
         bias="alibi" if kw.get("alibi_slopes") is not None else ("elementwise" if bias is not None else "none"),
         bias_shape=bias_shape_of(bias),
-        softcap=kw.get("logits_soft_cap", 0.0) > 0, sinks=kw.get("sinks") is not None,
+        softcap=kw.get("logits_soft_cap", 0.0) > 0, sinks=kw.get("sinks") is not None, kv_layout=KV_LAYOUT,
     ).problem
     if tiles is None:
         return problem
@@ -248,7 +258,8 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     api_ms = float("nan")
     if api:
         api_ms = median_ms(
-            lambda: turbine_fmha.fmha_fwd_paged(*inputs, session=session, device=session.device, **kw),
+            lambda: turbine_fmha.fmha_fwd_paged(*inputs, session=session, device=session.device, kv_layout=KV_LAYOUT,
+                                                **kw),
             max(3, repeat // 3), warmup=1,
         )
     return variant, ms, api_ms, len(calls), copy_ms
@@ -259,7 +270,7 @@ def auto_splits(session, shape, inputs, kw) -> int:
     _, kc, _, bt, sk = inputs
     attn = turbine_fmha.PagedAttention(session).plan(
         bt, sk, num_pages=kc.shape[0], page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype=kc.dtype,
-        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, **kw)
+        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw)
     return attn._plan.splits
 
 
@@ -279,10 +290,11 @@ def bench_planned(session, shape, inputs, dtype, repeat, kw):
         sync = torch.cuda.synchronize
     attn = turbine_fmha.PagedAttention(session).plan(
         bt, sk, num_pages=kc.shape[0], page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype=dtype,
-        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, **kw)
+        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw)
     run_ms = median_ms(lambda: attn.run(q, kc, vc), repeat, sync=sync)
     one_ms = median_ms(lambda: turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, session=session, device=session.device,
-                                                           kv_rows_finite=True, **kw), repeat, sync=sync)
+                                                           kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw),
+                       repeat, sync=sync)
     return run_ms, one_ms
 
 
@@ -424,13 +436,16 @@ def bench_torch(shape, inputs, dtype, device, repeat):
     qh = q.transpose(1, 2)
     flat = bt.long().reshape(-1)
 
-    def gather_sdpa():
-        k = kc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2)
-        v = vc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2)
-        return F.scaled_dot_product_attention(qh, k, v, is_causal=causal, enable_gqa=True)
+    def gathered(cache):  # [b, HK, keys, D]
+        pages = cache.index_select(0, flat)
+        if KV_LAYOUT == "HND":
+            return pages.reshape(b, -1, HK, PAGE, D).transpose(1, 2).reshape(b, HK, -1, D)[:, :, :skn]
+        return pages.reshape(b, -1, HK, D)[:, :skn].transpose(1, 2)
 
-    kcont = kc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2).contiguous()
-    vcont = vc.index_select(0, flat).reshape(b, -1, HK, D)[:, :skn].transpose(1, 2).contiguous()
+    def gather_sdpa():
+        return F.scaled_dot_product_attention(qh, gathered(kc), gathered(vc), is_causal=causal, enable_gqa=True)
+
+    kcont, vcont = gathered(kc).contiguous(), gathered(vc).contiguous()
 
     def sdpa():
         return F.scaled_dot_product_attention(qh, kcont, vcont, is_causal=causal, enable_gqa=True)
@@ -510,7 +525,8 @@ def verify(session, rng, dtypes):
         if label == "soft-cap":
             q = q * np.asarray(4, dt)
         sk = np.array(sks, np.int32)
-        out, lse = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, return_lse=True, session=session, device=session.device, **kw)
+        out, lse = turbine_fmha.fmha_fwd_paged(q, as_layout(kc), as_layout(vc), bt, sk, return_lse=True, session=session,
+                                               device=session.device, kv_layout=KV_LAYOUT, **kw)
         ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **{k: a for k, a in kw.items() if k != "num_splits"})
         err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
         fin = np.isfinite(ref_lse)
@@ -542,7 +558,10 @@ def main() -> int:
     ap.add_argument("--list-feature-variants", action="store_true", help="print the variants --features needs, then exit")
     ap.add_argument("--split-kv", action="store_true", help="also time decode with split-KV at several split counts")
     ap.add_argument("--block-skipping", action="store_true", help="also time causal prefill with and without masked-block skipping")
+    ap.add_argument("--kv-layout", choices=["NHD", "HND"], default="NHD", help="the caches' page layout")
     args = ap.parse_args()
+    global KV_LAYOUT
+    KV_LAYOUT = args.kv_layout
     if args.list_feature_variants:
         print(",".join(feature_variant_names(args.device)))
         return 0
@@ -587,8 +606,11 @@ def main() -> int:
             if args.device != "cpu":
                 # The same call through the variant with the V guard (what
                 # runs when stale value rows are not finite).
-                guarded = bench_ours(session, shape, inputs, dtype, repeat, api=False, v_guard=True,
-                                     num_splits=splits)[1]
+                try:
+                    guarded = bench_ours(session, shape, inputs, dtype, repeat, api=False, v_guard=True,
+                                         num_splits=splits)[1]
+                except ArtifactError as e:  # an artifact directory without guarded variants
+                    print(f"no guarded variant: {str(e).splitlines()[0]}", flush=True)
             run_ms, one_ms = bench_planned(session, shape, inputs, dtype, repeat, kw)
             base = roof = float("nan")
             if not args.no_torch:
@@ -596,7 +618,7 @@ def main() -> int:
             b, sq, sk = shape["batch"], shape["seqlen_q"], shape["seqlen_k"]
             row = dict(
                 name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
-                nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, mask=shape["mask"], variant=variant.name,
+                nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, kv_layout=KV_LAYOUT, mask=shape["mask"], variant=variant.name,
                 kernel_calls=ncalls, num_splits=splits, ours_ms=round(ours, 3), ours_host_copy_ms=round(copy_ms, 3),
                 ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
                 ours_run_ms=round(run_ms, 3), ours_one_shot_ms=round(one_ms, 3), baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,

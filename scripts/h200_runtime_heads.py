@@ -5,13 +5,15 @@ Verifies, against the float64 reference, calls whose head counts no variant
 was built for: each artifact directory given is loaded on its own, so that
 what serves a call is what that directory holds (--static: exact head
 counts; --group: run-time heads for a GQA group; --any-online: run-time
-heads for any group, padded; --any: the explicit variants for any head
-counts, which a GPU session falls back to). Then
+heads for any group, padded; --hnd: the same over head-major (HND) caches;
+--any: the explicit variants for any head counts, which a GPU session falls
+back to). Then
 times PagedAttention.run() of the GQA 32/8 shapes with each directory,
 rounds interleaved, and torch gather+SDPA in the same run.
 
   python3 scripts/h200_runtime_heads.py --device cuda --static artifacts-h200s \
-      --group artifacts-h200rt --any-online artifacts-h200anyon --any artifacts-h200any
+      --group artifacts-h200rt --any-online artifacts-h200anyon --hnd artifacts-h200hnd \
+      --any artifacts-h200any
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ OUT_TOL = {"f16": 5e-3, "bf16": 2e-2}
 
 def make_problem(rng, dtype, batch, seqlen_q, seqlens_k, nhead_q, nhead_k, hdim, page):
     """Pages shuffled across sequences, garbage in unused table slots, NaN in
-    spare pages."""
+    spare pages; NHD caches."""
     dt = np_dtype(dtype)
     used = [-(-s // page) for s in seqlens_k]
     num_pages = sum(used) + 2
@@ -53,6 +55,15 @@ def make_problem(rng, dtype, batch, seqlen_q, seqlens_k, nhead_q, nhead_k, hdim,
     return q, kc, vc, bt, np.array(seqlens_k, np.int32)
 
 
+def hnd(cache):
+    """An NHD cache's pages head-major: [pages, nhead_k, page, dim]."""
+    return np.ascontiguousarray(cache.transpose(0, 2, 1, 3))
+
+
+# The sessions' cache layouts (--hnd runs over HND caches).
+LAYOUT = {"hnd": "HND"}
+
+
 def verify(session, rng, label, heads, hdims, dtype="f16", page=16) -> bool:
     ok = True
     for (hq, hk), d in ((h, d) for h in heads for d in hdims):
@@ -60,8 +71,10 @@ def verify(session, rng, label, heads, hdims, dtype="f16", page=16) -> bool:
             sk = [5, 300, 77] if sq == 1 else [150, 170, 400]
             q, kc, vc, bt, seqlen_k = make_problem(rng, dtype, 3, sq, sk, hq, hk, d, page)
             kw = {"mask_type": mask} if mask else {}
-            out, lse = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, seqlen_k, return_lse=True, session=session,
-                                                   device=session.device, **kw)
+            layout = LAYOUT.get(label, "NHD")
+            kc_l, vc_l = (hnd(kc), hnd(vc)) if layout == "HND" else (kc, vc)
+            out, lse = turbine_fmha.fmha_fwd_paged(q, kc_l, vc_l, bt, seqlen_k, return_lse=True, session=session,
+                                                   device=session.device, kv_layout=layout, **kw)
             ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, seqlen_k, **kw)
             err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
             lerr = np.abs(lse - ref_lse).max()
@@ -89,7 +102,7 @@ def recording(session):
     return session
 
 
-def time_run(session, shape, dtype, repeat, sync):
+def time_run(session, shape, dtype, repeat, sync, kv_layout="NHD"):
     """Median ms of PagedAttention.run() on device-resident inputs, `repeat`
     calls back to back and one wait, over 5 samples."""
     import torch
@@ -98,12 +111,14 @@ def time_run(session, shape, dtype, repeat, sync):
     q, kc, vc, bt, sk = make_problem(rng, dtype, shape["batch"], shape["seqlen_q"], [shape["seqlen_k"]] * shape["batch"],
                                      32, 8, 128, 16)
     kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+    if kv_layout == "HND":
+        kc, vc = hnd(kc), hnd(vc)
     dev = (lambda a: torch.from_numpy(a).to("cuda:0")) if session.device == "cuda" else (lambda a: a)
     q, kc, vc = dev(q), dev(kc), dev(vc)
     kw = {"mask_type": "bottom_right"} if shape["seqlen_q"] > 1 else {}
     attn = turbine_fmha.PagedAttention(session).plan(
         bt, sk, num_pages=kc.shape[0], page_block_size=16, nhead_q=32, nhead_k=8, hdim=128, dtype=dtype,
-        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, **kw)
+        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, kv_layout=kv_layout, **kw)
     session.picked.clear()
     for _ in range(3):
         attn.run(q, kc, vc)
@@ -124,15 +139,17 @@ def main() -> int:
     ap.add_argument("--static", help="exact head counts (GQA 32/8)")
     ap.add_argument("--group", help="online, run-time heads for GQA group 4")
     ap.add_argument("--any-online", help="online, run-time heads for any group (padded)")
+    ap.add_argument("--hnd", help="online, run-time heads for any group (padded), HND caches")
     ap.add_argument("--any", help="explicit, any head counts")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng()
-    dirs = {k: getattr(args, k) for k in ("static", "group", "any_online", "any") if getattr(args, k)}
+    dirs = {k: getattr(args, k) for k in ("static", "group", "any_online", "hnd", "any") if getattr(args, k)}
     sessions = {k: recording(turbine_fmha.Session(args.device, artifact_dir=d)) for k, d in dirs.items()}
     checks = {"group": (((32, 8), (16, 4), (4, 1), (40, 10)), (128,)),
               "any_online": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (64, 4), (24, 8)), (128,)),
+              "hnd": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (24, 8)), (128,)),
               "any": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1)), (64, 128, 256))}
     ok = True
     for k, (heads, hdims) in checks.items():
@@ -149,7 +166,7 @@ def main() -> int:
     for r in range(args.rounds):
         for shape in shapes:
             for k, s in sessions.items():
-                ms, used = time_run(s, shape, "f16", 20, sync)
+                ms, used = time_run(s, shape, "f16", 20, sync, LAYOUT.get(k, "NHD"))
                 print(f"round {r} {shape['name']} b{shape['batch']} sq{shape['seqlen_q']} sk{shape['seqlen_k']} "
                       f"{k}: {ms:.3f} ms {used}")
     return 0 if ok else 1

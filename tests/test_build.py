@@ -34,17 +34,21 @@ def test_default_names_unchanged():
     merge split-KV partials in the module, _x<n>, were added, and the fp8
     KV caches' online decode variants; then the 128-split merges and the
     1024-row prefill tile.) The variants for any head counts came later,
-    under names of their own; every earlier name is kept."""
+    under names of their own, then those over head-major (HND) pages;
+    every earlier name is kept."""
     variants = gpu_default_set() + host_default_set()
     names = sorted(v.name for v in variants if not v.runtime_heads)
     names += sorted(a.name for gpu in (False, True) for a in default_append_kernels(gpu))
     assert len(names) == 608
     digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
     assert digest == "2012a7407a77daf7021a50894fc0400145f3ba20ffc806d8cc240f6cdfa56609"
-    any_heads = sorted({v.name for v in variants if v.runtime_heads})
+    any_heads = sorted({v.name for v in variants if v.runtime_heads and v.kv_layout == "NHD"})
     assert len(any_heads) == 243
     digest = hashlib.sha256("\n".join(any_heads).encode()).hexdigest()
     assert digest == "8df50042d320e7423391d1d2c785bf82309423b83f45de4ea9ff77aa70a9a0aa"
+    # Then the same over head-major pages, each name an NHD one with _hnd.
+    hnd = sorted({v.name for v in variants if v.kv_layout == "HND"})
+    assert len(hnd) == 135 and all(n.replace("_hnd", "") in any_heads for n in hnd)
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

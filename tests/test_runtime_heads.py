@@ -249,20 +249,24 @@ def test_gpu_fallback_runs(rng):
     assert session.last_variant.formulation == "explicit" and session.last_variant.runtime_heads
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("target", ["host", "gpu"])
-def test_default_sets_serve_every_head_count(target):
+def test_default_sets_serve_every_head_count(target, kv_layout):
     """Every head configuration of 1-64 query heads, head dims 64/128/256,
     fp16 and bf16, finds a built variant in the default set (no compiling),
-    decode and prefill, every mask."""
+    decode and prefill, every mask; over head-major (HND) caches for pages
+    of 16 rows."""
     variants = host_default_set() if target == "host" else gpu_default_set()
     s = _Listing(variants, "explicit" if target == "host" else "online")
     pages = (16, 64) if target == "gpu" else (1, 16, 32, 64, 128)
+    pages = (16,) if kv_layout == "HND" else pages
     for nq in range(1, 65):
         for nk in (k for k in range(1, nq + 1) if nq % k == 0):
             for d in ANY_HEADS_HDIMS:
                 for dtype in ("f16", "bf16"):
                     for page in pages:
                         for mask in ("none", "top_left", "bottom_right"):
-                            p = _call(nq, nk, d, dtype, page, mask)
+                            p = dict(_call(nq, nk, d, dtype, page, mask), kv_layout=kv_layout)
                             for rows in (1, 100):
-                                assert s.select(p, rows, 3).name in s._index
+                                v = s.select(p, rows, 3)
+                                assert v.name in s._index and v.kv_layout == kv_layout

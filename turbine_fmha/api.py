@@ -55,6 +55,7 @@ def fmha_fwd_paged(
     logits_soft_cap=0.0,
     sinks=None,
     v_layout="row",
+    kv_layout="NHD",
     q_scale=None,
     k_scale=None,
     v_scale=None,
@@ -81,14 +82,17 @@ def fmha_fwd_paged(
       output [total_q, nhead_q, hdim_v]; LSE [nhead_q, total_q].
 
     Args:
-      k_cache: [num_pages, page_block_size, nhead_k, hdim_q], same dtype as q:
+      k_cache: [num_pages, page_block_size, nhead_k, hdim_q] (kv_layout
+        "NHD"; "HND": [num_pages, nhead_k, page_block_size, hdim_q]), same
+        dtype as q:
         a numpy array / torch tensor, or an iree.runtime DeviceArray on the
         session's device (used in place, no copy; PagedKVCache with a
         session keeps its pool that way). torch CUDA/HIP caches are imported
         zero-copy through DLPack when the session is for cuda/hip (after a
         torch.cuda.synchronize); other torch tensors are copied.
-      v_cache: [num_pages, page_block_size, nhead_k, hdim_v], same dtype; with
-        v_layout="col", [num_pages, nhead_k, hdim_v, page_block_size].
+      v_cache: like k_cache with hdim_v, same dtype; with v_layout="col",
+        [num_pages, nhead_k, hdim_v, page_block_size] under either
+        kv_layout.
         An fp8 KV cache (ml_dtypes/torch float8_e4m3fn, _e4m3fnuz, _e5m2,
         _e5m2fnuz) goes with fp16/bf16 queries and per-tensor descales
         k_scale / v_scale (true K = k_scale * K_fp8). On GPUs these run the
@@ -182,7 +186,7 @@ def fmha_fwd_paged(
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
                  seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks)
     _check_tensor_devices(session.device if isinstance(session, Session) else device, **given, out=out)
-    settings = dict(v_layout=v_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits, kv_rows_finite=kv_rows_finite,
+    settings = dict(v_layout=v_layout, kv_layout=kv_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits, kv_rows_finite=kv_rows_finite,
                     sink_size=sink_size, logits_soft_cap=logits_soft_cap, q_scale=q_scale, k_scale=k_scale,
                     v_scale=v_scale, p_scale=p_scale, out_scale=out_scale, **terms)
     if any(_is_torch(a) and a.requires_grad for a in (*given.values(), out)):  # only then: it imports torch._dynamo
@@ -221,8 +225,9 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, 
     if _compiling():
         return _torch_ops().call_op("kvcache", q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k,
                                     cache_batch_idx=cache_batch_idx, **kwargs)
-    if kwargs.get("v_layout", "row") != "row":
-        raise ValueError("v_layout='col' is supported for paged caches only (fmha_fwd_paged)")
+    for name, paged in (("v_layout", "row"), ("kv_layout", "NHD")):
+        if kwargs.get(name, paged) != paged:
+            raise ValueError(f"{name}={kwargs[name]!r} is supported for paged caches only (fmha_fwd_paged)")
     if kwargs.get("session") is None:
         kwargs["session"] = default_session(kwargs.get("device", "cpu"))
     k_pages, v_pages, block_table, sk = paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, kwargs["session"])

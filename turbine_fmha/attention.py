@@ -60,7 +60,7 @@ class PagedAttention:
     not an array of the layer (see there for their meaning), plus the
     layout the caches have: num_pages, page_block_size, nhead_q, nhead_k,
     hdim (hdim_v), dtype (q's: numpy/torch dtype or "f16"/"bf16"/"f32"),
-    kv_dtype (an fp8 cache format) and v_layout; in batch mode seqlen_q (q
+    kv_dtype (an fp8 cache format), kv_layout and v_layout; in batch mode seqlen_q (q
     rows per sequence, default 1), in group mode seqstart_q. Invalid tables
     raise there, naming the argument, before anything runs.
 
@@ -78,7 +78,7 @@ class PagedAttention:
         self._plan: _Plan | None = None
 
     def plan(self, block_table, seqlen_k, *, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None,
-             dtype="f16", kv_dtype=None, v_layout="row", seqlen_q=1, seqstart_q=None, kv_offset=None,
+             dtype="f16", kv_dtype=None, v_layout="row", kv_layout="NHD", seqlen_q=1, seqstart_q=None, kv_offset=None,
              min_seqlen_q=0, num_splits=None, kv_rows_finite=None, causal=False, softmax_scale=None,
              window_size=None, **score_terms) -> "PagedAttention":
         score_terms.update(conventions(  # flash-attn's spellings (flash_attn.py)
@@ -91,7 +91,7 @@ class PagedAttention:
                               **{k: v for k, v in score_terms.items() if k in ("alibi_slopes", "bias", "sinks")})
         layout = layout_of_params(num_pages=num_pages, page_block_size=page_block_size, nhead_q=nhead_q,
                                   nhead_k=nhead_k, hdim=hdim, hdim_v=hdim_v, dtype=dtype, kv_dtype=kv_dtype,
-                                  v_layout=v_layout)
+                                  v_layout=v_layout, kv_layout=kv_layout)
         if seqstart_q is None:
             rows = np.shape(_to_numpy(block_table, "block_table"))
             q_shape = (rows[0] if rows else 0, check_int(seqlen_q, "seqlen_q", minimum=0))
@@ -228,7 +228,7 @@ class _Plan:
         index = self._stale_index.get(key)
         if index is None:  # uploaded once per plan and device
             index = self._stale_index[key] = [ops_for(cache).like(i, cache) for i in self.stale]
-        return rows_finite(cache, index)
+        return rows_finite(cache, index, self.p.layout.kv_layout)
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
         session = self.session

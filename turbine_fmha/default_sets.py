@@ -60,12 +60,13 @@ def host_default_set() -> list[Variant]:
 
     Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
     mask, and the same for any head counts with head dims 64/128/256
-    (ANY_HEADS_HDIMS); plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
+    (ANY_HEADS_HDIMS), also over head-major (HND) pages of 16 rows; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
     page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
     and fp8 (e4m3) static quantization.
     """
     out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
     out += any_heads_variants(("f16", "bf16", "f32"), DEFAULT_PAGES)
+    out += head_major(any_heads_variants(("f16", "bf16", "f32"), (16,)))
     for dtype in ("f16", "bf16"):
         for mask in ("top_left", "bottom_right"):
             out += _feature_variants(dtype, 16, mask)
@@ -100,7 +101,8 @@ def gpu_default_set() -> list[Variant]:
     of fp16/bf16 caches come with and without the V guard. Other head
     counts run the online variants for any group (head dim 128, page 16,
     groups up to 16: _any_group_gpu_defaults), else the explicit variants
-    of any_heads_variants (head dims 64/128/256, pages 16/64).
+    of any_heads_variants (head dims 64/128/256, pages 16/64); both also
+    over head-major (HND) pages of 16 rows.
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -119,6 +121,7 @@ def gpu_default_set() -> list[Variant]:
     out += without_v_guard(out)
     out += _static_quant_variants()
     out += any_heads_variants(("f16", "bf16"), (16, 64))
+    out += head_major(any_heads_variants(("f16", "bf16"), (16,)))
     return out
 
 
@@ -145,9 +148,17 @@ def _any_group_gpu_defaults() -> list[Variant]:
     # fp16/bf16, head dim 128, page 16; merges in the 128-entry tile only
     # (every split count fits one launch of it) and the 128- and 1024-row
     # prefill tiles: the GPU set's compile time stays within CI's.
-    return [v for dtype in ("f16", "bf16")
-            for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2],
-                                               [(t, n) for t, n in MERGED_DECODE_TILES if t == 128])]
+    # The same over HND pages, whose rows stay hdim apart whatever the head
+    # count: there run-time heads cost nothing (docs/perf-notes.md).
+    out = [v for dtype in ("f16", "bf16")
+           for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2],
+                                              [(t, n) for t, n in MERGED_DECODE_TILES if t == 128])]
+    return out + head_major(out)
+
+
+def head_major(variants: list[Variant]) -> list[Variant]:
+    """`variants` again over head-major (HND) pages."""
+    return [dataclasses.replace(v, kv_layout="HND") for v in variants]
 
 
 def any_heads_variants(dtypes, pages) -> list[Variant]:

@@ -62,7 +62,7 @@ class PackageJinjaLoader(TemplateLoader):
 _TEMPLATES = PackageJinjaLoader()
 
 
-def _bind(kernel: sig.Kernel, tensors: list, v_layout: str = "row") -> dict:
+def _bind(kernel: sig.Kernel, tensors: list, layout: str = sig.layout_key()) -> dict:
     """Symbol -> size from the argument tensors (None where absent), checking
     that every use of a symbol agrees. A size-1 "B|1" / "HQ|1" axis is a
     broadcast one; its symbol then binds to the string "1"."""
@@ -70,7 +70,7 @@ def _bind(kernel: sig.Kernel, tensors: list, v_layout: str = "row") -> dict:
     for arg, t in zip(kernel.args, tensors):
         if t is None:
             continue
-        for i, (d, n) in enumerate(zip(arg.dims_for(v_layout), t.shape)):
+        for i, (d, n) in enumerate(zip(arg.dims_for(layout), t.shape)):
             if "|" in str(d):
                 sym[d] = "1" if n == 1 else d.split("|")[0]
                 d = None if n == 1 else d.split("|")[0]
@@ -88,7 +88,7 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
     torch._check(q.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {q.dtype}")
     # An i8 q is fp8 static quantization: kv_dtype names the format.
     torch._check(q.dtype != torch.int8 or bool(attrs["kv_dtype"]), lambda: "int8 q needs an fp8 format")
-    sym = _bind(sig.FWD, tensors, attrs["v_layout"])
+    sym = _bind(sig.FWD, tensors, sig.layout_key(attrs["kv_layout"], attrs["v_layout"]))
     names = [a.name for a in sig.FWD.args]
     online = kernel_formulation == "online"
     v = Variant(
@@ -101,7 +101,7 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
             "elementwise" if tensors[names.index("bias")] is not None else "none"),
         bias_shape="".join((c if sym[s] != "1" else "1") for s, c in (("B|1", "b"), ("HQ|1", "h")) if s in sym),
         softcap=bool(attrs["softcap"]), sinks=tensors[names.index("sinks")] is not None,
-        v_layout=attrs["v_layout"], kv_dtype="" if q.dtype == torch.int8 else attrs["kv_dtype"],
+        kv_layout=attrs["kv_layout"], v_layout=attrs["v_layout"], kv_dtype="" if q.dtype == torch.int8 else attrs["kv_dtype"],
         formulation=kernel_formulation, v_guard=bool(attrs["v_guard"]),
         batch_tile=sym["B"] if online else 0, seqlen_q_tile=sym["S"] if online else 0,
         group_rows=attrs["group_rows"], merge_splits=attrs["merge_splits"],
@@ -115,8 +115,8 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
     return v
 
 
-def _static_dims(t: sig.Tensor, sym: dict, v_layout: str) -> list[int]:
-    return [i for i, n in enumerate(sig.shape_of(t, sym, v_layout)) if n != "?"]
+def _static_dims(t: sig.Tensor, sym: dict, layout: str) -> list[int]:
+    return [i for i, n in enumerate(sig.shape_of(t, sym, layout)) if n != "?"]
 
 
 def _ksel_values(kernel: sig.Kernel, ksel: KernelSelection) -> tuple[list, dict]:
@@ -132,13 +132,13 @@ def _select(kernel: sig.Kernel, ksel: KernelSelection, types: sig.Types) -> None
     descs = [ksel.arg_descs[i] for i in range(len(kernel.args))]
     for t, desc in zip(kernel.args, descs):
         if desc.maybe_tensor_value is not None:
-            desc.specialize_dims(*_static_dims(t, types.sym, types.v_layout))
+            desc.specialize_dims(*_static_dims(t, types.sym, types.layout))
     tensors = [d.maybe_tensor_value for d in descs]
-    bound = _bind(kernel, tensors, types.v_layout)
+    bound = _bind(kernel, tensors, types.layout)
     for r in kernel.results:
         shape = [bound[d] if isinstance(d, str) else d for d in r.dims]
         out = ksel.return_new_tensor(shape, _TORCH_DTYPE[types.dtypes[r.dtype]])
-        out.specialize_dims(*_static_dims(r, types.sym, types.v_layout))
+        out.specialize_dims(*_static_dims(r, types.sym, types.layout))
 
 
 def _declare_args(kernel: sig.Kernel, ksel: KernelSelection) -> None:
@@ -177,7 +177,7 @@ def template_params(v: Variant) -> dict:
     return dict(
         sig=sig.mlir_header(sig.FWD, args, types), **head_params(v),
         dt=types.dtypes["Q"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
-        VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""), QF8=v.static_quant,
+        HND=v.kv_layout == "HND", VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""), QF8=v.static_quant,
         V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
         SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, GP=v.padded_group, UNBOUNDED=UNBOUNDED,
         MERGE=v.merge_splits,
@@ -266,7 +266,7 @@ def _meta(t: sig.Tensor, types: sig.Types) -> torch.Tensor:
     """A meta tensor of `t`'s declared shape; dynamic dims get size 2, so a
     size-1 axis always means a broadcast axis."""
     sym = {k: (2 if n == "?" else n) for k, n in types.sym.items()}
-    shape = sig.shape_of(t, sym, types.v_layout)
+    shape = sig.shape_of(t, sym, types.layout)
     return torch.empty(*shape, dtype=_TORCH_DTYPE[types.dtypes[t.dtype]], device="meta")
 
 

@@ -341,12 +341,14 @@ def combine_splits(o, lse, m, l, n: int, sinks: np.ndarray | None):
     return xp.f32(out), xp.f32(xp.where(nan, math.nan, lse_out))
 
 
-def rows_finite(cache, index) -> bool:
-    """Whether the rows cache[index[0], index[1]] of a cache [pages, page,
-    heads, dim] are all finite: numpy, or a torch cache on its own device
-    with the index there too (one gather, one reduction, one sync)."""
+def rows_finite(cache, index, kv_layout: str = "NHD") -> bool:
+    """Whether the rows (index[0], index[1]) = (page, row) of a cache
+    [pages, page, heads, dim] ([pages, heads, page, dim] for kv_layout
+    "HND") are all finite: numpy, or a torch cache on its own device with
+    the index there too (one gather, one reduction, one sync)."""
     xp = ops_for(cache)
-    return bool(xp.isfinite(xp.f32(cache[index[0], index[1]])).all())
+    rows = cache[index[0], :, index[1]] if kv_layout == "HND" else cache[index[0], index[1]]
+    return bool(xp.isfinite(xp.f32(rows)).all())
 
 
 def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):
@@ -378,8 +380,8 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
 
 def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray,
                       kv_shift: np.ndarray, page: int) -> bool:
-    """Whether the stale_rows of a row-major cache [pages, page, heads, dim]
-    (numpy or torch) are finite."""
+    """Whether the stale_rows of a row-major NHD cache [pages, page, heads,
+    dim] (numpy or torch) are finite."""
     index = stale_rows(block_table, seqlen_k, kv_shift, page)
     if index is None:
         return False

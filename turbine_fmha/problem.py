@@ -17,7 +17,7 @@ import numpy as np
 from .arrays import _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype, np_dtype
 from .checks import F32_MAX, check_float, check_int, float_array, int_array
 from .mask import MaskSpec
-from .variants import FP8_DTYPES
+from .variants import FP8_DTYPES, KV_LAYOUTS, V_LAYOUTS
 
 LOG2E = math.log2(math.e)
 
@@ -37,20 +37,25 @@ class Layout:
     page_block_size: int
     num_pages: int
     v_layout: str = "row"
+    kv_layout: str = "NHD"
 
     @property
     def static_quant(self) -> bool:
         return self.dtype in FP8_DTYPES
 
+    def _page_shape(self, hdim: int) -> tuple:
+        rows = (self.nhead_k, self.page_block_size)
+        return (self.num_pages, *(rows if self.kv_layout == "HND" else rows[::-1]), hdim)
+
     @property
     def k_shape(self) -> tuple:
-        return (self.num_pages, self.page_block_size, self.nhead_k, self.hdim_q)
+        return self._page_shape(self.hdim_q)
 
     @property
     def v_shape(self) -> tuple:
         if self.v_layout == "col":
             return (self.num_pages, self.nhead_k, self.hdim_v, self.page_block_size)
-        return (self.num_pages, self.page_block_size, self.nhead_k, self.hdim_v)
+        return self._page_shape(self.hdim_v)
 
     def result_shapes(self, q_shape: tuple, group: bool) -> tuple[tuple, tuple]:
         """(out, LSE) shapes for q of `q_shape`: out is q's rows by hdim_v;
@@ -59,9 +64,19 @@ class Layout:
         return rows + (self.hdim_v,), ((self.nhead_q, rows[0]) if group else (rows[0], self.nhead_q, rows[1]))
 
 
-def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool) -> Layout:
+def _check_layouts(kv_layout, v_layout) -> None:
+    for name, value, allowed in (("kv_layout", kv_layout, KV_LAYOUTS), ("v_layout", v_layout, V_LAYOUTS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+_PAGE_DIMS = {"NHD": "[num_pages, page_block_size, nhead_k, {}]", "HND": "[num_pages, nhead_k, page_block_size, {}]"}
+
+
+def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool, kv_layout: str = "NHD") -> Layout:
     """The layout q and the caches have (anything with shape, ndim and a
     numpy dtype), checked against each other."""
+    _check_layouts(kv_layout, v_layout)
     if q.ndim != (3 if group else 4):
         what = "[total_q, nhead_q, hdim] with seqstart_q" if group else "[batch, seqlen_q, nhead_q, hdim]"
         raise ValueError(f"q must have {3 if group else 4} dims {what}, got shape {q.shape}")
@@ -71,15 +86,16 @@ def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool) -> Layout:
     dt, kv_fp8 = _check_dtypes(q.dtype, k_cache.dtype, v_cache.dtype)
     nhead_q, hdim_q = q.shape[-2:]
     num_pages, page, nhead_k, hdim_k = k_cache.shape
+    if kv_layout == "HND":
+        page, nhead_k = nhead_k, page
     if hdim_k != hdim_q:
-        raise ValueError(f"k_cache head dim {hdim_k} differs from q head dim {hdim_q}")
-    if v_layout not in ("row", "col"):
-        raise ValueError(f"v_layout must be 'row' or 'col', got {v_layout!r}")
+        raise ValueError(f"k_cache head dim {hdim_k} differs from q head dim {hdim_q} (k_cache is "
+                         f"{_PAGE_DIMS[kv_layout].format('hdim')} for kv_layout={kv_layout!r})")
     hdim_v = v_cache.shape[3] if v_layout == "row" else v_cache.shape[2]
     layout = Layout(dt, np.dtype(q.dtype), kv_fp8 or "", np.dtype(k_cache.dtype), int(nhead_q), int(nhead_k),
-                    int(hdim_q), int(hdim_v), int(page), int(num_pages), v_layout)
+                    int(hdim_q), int(hdim_v), int(page), int(num_pages), v_layout, kv_layout)
     if tuple(v_cache.shape) != layout.v_shape:
-        want = ("[num_pages, page_block_size, nhead_k, hdim_v]" if v_layout == "row"
+        want = (_PAGE_DIMS[kv_layout].format("hdim_v") + f" (kv_layout={kv_layout!r})" if v_layout == "row"
                 else "[num_pages, nhead_k, hdim_v, page_block_size] (v_layout='col')")
         raise ValueError(f"v_cache shape {v_cache.shape} must be {want} matching k_cache {k_cache.shape}")
     _check_heads(layout, f"q must have at least one head, got nhead_q = {nhead_q} (shape {q.shape})")
@@ -89,7 +105,7 @@ def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool) -> Layout:
 
 
 def layout_of_params(*, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None, dtype="f16",
-                     kv_dtype=None, v_layout="row") -> Layout:
+                     kv_dtype=None, v_layout="row", kv_layout="NHD") -> Layout:
     """A layout given by its numbers (PagedAttention.plan)."""
     sizes = {n: check_int(v, n, minimum=1) for n, v in (
         ("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_q", nhead_q),
@@ -97,10 +113,9 @@ def layout_of_params(*, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim
     q_dt = _np_dtype(dtype, "dtype")
     kv_dt = q_dt if kv_dtype is None else _np_dtype(kv_dtype, "kv_dtype")
     dt, kv_fp8 = _check_dtypes(q_dt, kv_dt, kv_dt)
-    if v_layout not in ("row", "col"):
-        raise ValueError(f"v_layout must be 'row' or 'col', got {v_layout!r}")
+    _check_layouts(kv_layout, v_layout)
     layout = Layout(dt, q_dt, kv_fp8 or "", kv_dt, sizes["nhead_q"], sizes["nhead_k"], sizes["hdim"],
-                    sizes["hdim_v"], sizes["page_block_size"], sizes["num_pages"], v_layout)
+                    sizes["hdim_v"], sizes["page_block_size"], sizes["num_pages"], v_layout, kv_layout)
     _check_heads(layout, "nhead_q must be >= 1")
     return layout
 
@@ -363,8 +378,8 @@ class Problem:
             dtype=lay.dtype, hdim_q=lay.hdim_q, hdim_v=lay.hdim_v, nhead_q=lay.nhead_q, nhead_k=lay.nhead_k,
             group=0, page_block_size=lay.page_block_size, mask=s.mask.type,
             bias="alibi" if s.alibi_slopes is not None else ("elementwise" if s.bias is not None else "none"),
-            bias_shape="", softcap=s.softcap > 0, sinks=s.sinks is not None, v_layout=lay.v_layout,
-            kv_dtype=lay.kv_dtype,
+            bias_shape="", softcap=s.softcap > 0, sinks=s.sinks is not None, kv_layout=lay.kv_layout,
+            v_layout=lay.v_layout, kv_dtype=lay.kv_dtype,
         )
 
 
@@ -382,7 +397,7 @@ def problem(layout: Layout, t: Tables, s: Scores, *, min_seqlen_q=0, num_splits=
 
 
 def from_arrays(q, k_cache, v_cache, block_table, seqlen_k, *, seqstart_q=None, kv_offset=None, v_layout="row",
-                min_seqlen_q=0, num_splits=None, kv_rows_finite=None, **score_terms) -> Problem:
+                kv_layout="NHD", min_seqlen_q=0, num_splits=None, kv_rows_finite=None, **score_terms) -> Problem:
     """The Problem of fmha_fwd_paged's arguments. Only shapes and dtypes of
     q and the caches are looked at (a torch GPU q stays on its device)."""
     from .arrays import _cache_array, _DeviceCache, _is_torch, _TensorInfo, _to_numpy
@@ -391,7 +406,7 @@ def from_arrays(q, k_cache, v_cache, block_table, seqlen_k, *, seqstart_q=None, 
     kc, vc = _cache_array(k_cache, "k_cache"), _cache_array(v_cache, "v_cache")
     if isinstance(kc, _DeviceCache) != isinstance(vc, _DeviceCache):
         raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
-    layout = layout_of_arrays(qi, kc, vc, v_layout, seqstart_q is not None)
+    layout = layout_of_arrays(qi, kc, vc, v_layout, seqstart_q is not None, kv_layout)
     t = tables(block_table, seqlen_k, layout, q_shape=tuple(qi.shape[:-2]), seqstart_q=seqstart_q,
                kv_offset=kv_offset)
     s = scores(layout, t, **score_terms)

@@ -132,6 +132,7 @@ def fmha_fwd_paged_ref(
     seqstart_q=None,
     kv_offset=None,
     v_layout="row",
+    kv_layout="NHD",
     q_scale=None,
     k_scale=None,
     v_scale=None,
@@ -157,6 +158,10 @@ def fmha_fwd_paged_ref(
     # call reads); each sequence's gathered rows are converted and scaled.
     k_cache = _Scaled(np.asarray(k_cache), 1.0 if k_scale is None else k_scale)
     v_cache = _Scaled(np.asarray(v_cache), 1.0 if v_scale is None else v_scale)
+    if kv_layout == "HND":  # [pages, nhead_k, page, dim] -> NHD
+        k_cache = _Scaled(k_cache.array.transpose(0, 2, 1, 3), k_cache.scale)
+        if v_layout == "row":
+            v_cache = _Scaled(v_cache.array.transpose(0, 2, 1, 3), v_cache.scale)
     if v_layout == "col":  # [pages, nhead_k, hdim_v, page] -> row-major
         v_cache = _Scaled(v_cache.array.transpose(0, 3, 1, 2), v_cache.scale)
     block_table = np.asarray(block_table)

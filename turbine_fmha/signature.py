@@ -43,15 +43,30 @@ class Tensor:
     dtype: str
     # The Variant feature that brings an optional tensor ("" = always there).
     when: str = ""
-    # Dims by v_layout, for a tensor whose layout the variant chooses.
+    # Dims by cache layout (layout_key), for a tensor whose layout the
+    # variant chooses.
     layouts: tuple = ()
 
     @property
     def optional(self) -> bool:
         return bool(self.when)
 
-    def dims_for(self, v_layout: str = "row") -> tuple:
-        return dict(self.layouts)[v_layout] if self.layouts else self.dims
+    def dims_for(self, layout: str = "NHD/row") -> tuple:
+        return dict(self.layouts)[layout] if self.layouts else self.dims
+
+
+def layout_key(kv_layout: str = "NHD", v_layout: str = "row") -> str:
+    """The key of Tensor.layouts: a variant's page layout and V layout."""
+    return f"{kv_layout}/{v_layout}"
+
+
+def _cache(name: str, dim: str) -> Tensor:
+    """A cache argument: pages [NP, PG, HK, dim] (NHD) or [NP, HK, PG, dim]
+    (HND); V column-major [NP, HK, DV, PG] under either."""
+    pages = {"NHD": ("NP", "PG", "HK", dim), "HND": ("NP", "HK", "PG", dim)}
+    return Tensor(name, (), "KV", layouts=tuple(
+        (layout_key(kv, v), ("NP", "HK", dim, "PG") if v == "col" and dim == "DV" else dims)
+        for kv, dims in pages.items() for v in ("row", "col")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +98,8 @@ FWD = Kernel(
     "pagedkv_fwd",
     args=(
         Tensor("q", ("BO", "S", "HQ", "D"), "Q"),
-        Tensor("k_cache", ("NP", "PG", "HK", "D"), "KV"),
-        Tensor("v_cache", (), "KV", layouts=(("row", ("NP", "PG", "HK", "DV")), ("col", ("NP", "HK", "DV", "PG")))),
+        _cache("k_cache", "D"),
+        _cache("v_cache", "DV"),
         Tensor("block_table", ("B", "W"), "i32"),
         Tensor("seqlen_q", ("B",), "i32"),
         Tensor("seqlen_k", ("B",), "i32"),
@@ -95,7 +110,8 @@ FWD = Kernel(
         Tensor("bias", ("B|1", "HQ|1", "S", "N"), "f32", when="elementwise"),
         Tensor("sinks", ("HQ",), "f32", when="sinks"),
     ),
-    attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("v_layout", "str"), Attr("kv_dtype", "str"),
+    attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("kv_layout", "str"), Attr("v_layout", "str"),
+           Attr("kv_dtype", "str"),
            Attr("v_guard", "int"), Attr("group_rows", "int"), Attr("merge_splits", "int"),
            Attr("runtime_heads", "int"), Attr("group", "int")),
     results=(
@@ -166,7 +182,7 @@ def fwd_attrs(v) -> dict:
     """The attribute values of Variant `v`, in FWD.attrs order. kv_dtype
     names the fp8 format of K/V, and of Q and the output too under static
     quantization (q is then i8)."""
-    return dict(mask=v.mask, softcap=int(v.softcap), v_layout=v.v_layout,
+    return dict(mask=v.mask, softcap=int(v.softcap), kv_layout=v.kv_layout, v_layout=v.v_layout,
                 kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard),
                 group_rows=v.group_rows, merge_splits=v.merge_splits, runtime_heads=int(v.runtime_heads),
                 group=v.group)
@@ -180,7 +196,7 @@ class Types:
 
     sym: dict
     dtypes: dict
-    v_layout: str = "row"
+    layout: str = layout_key()
 
 
 def _bound(sizes: dict, static: frozenset) -> dict:
@@ -198,7 +214,8 @@ def fwd_types(v) -> Types:
         sym["B|1"] = sym["B"] if v.bias_shape[0] == "b" else 1
         sym["HQ|1"] = sym["HQ"] if v.bias_shape[1] == "h" else 1
     q = "i8" if v.static_quant else v.dtype
-    return Types(sym, {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"}, v.v_layout)
+    return Types(sym, {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"},
+                 layout_key(v.kv_layout, v.v_layout))
 
 
 def append_kernel(a) -> Kernel:
@@ -218,12 +235,12 @@ def append_types(a) -> Types:
     return Types(_bound(sizes, STATIC["append"]), {"KV": a.dtype, "i32": "i32", "f32": "f32"})
 
 
-def shape_of(t: Tensor, sym: dict, v_layout: str = "row") -> list:
-    return [d if isinstance(d, int) else sym[d] for d in t.dims_for(v_layout)]
+def shape_of(t: Tensor, sym: dict, layout: str = layout_key()) -> list:
+    return [d if isinstance(d, int) else sym[d] for d in t.dims_for(layout)]
 
 
 def tensor_type(t: Tensor, types: Types) -> str:
-    dims = "".join(f"{d}x" for d in shape_of(t, types.sym, types.v_layout))
+    dims = "".join(f"{d}x" for d in shape_of(t, types.sym, types.layout))
     return f"tensor<{dims}{types.dtypes[t.dtype]}>"
 
 

@@ -45,7 +45,8 @@ _OPTIONAL_BOTH = ("seqstart_q", "kv_offset", "alibi_slopes", "bias", "sinks")
 _SCALARS = (
     ("min_seqlen_q", "int", 0), ("scale", "float?", None), ("mask_type", "str", "none"),
     ("window_size_left", "int", -1), ("window_size_right", "int", -1), ("sink_size", "int", 0),
-    ("logits_soft_cap", "float", 0.0), ("v_layout", "str", "row"), ("q_scale", "float?", None),
+    ("logits_soft_cap", "float", 0.0), ("v_layout", "str", "row"), ("kv_layout", "str", "NHD"),
+    ("q_scale", "float?", None),
     ("k_scale", "float?", None), ("v_scale", "float?", None), ("p_scale", "float?", None),
     ("out_scale", "float?", None), ("num_splits", "int?", None), ("kv_rows_finite", "bool?", None),
     ("device", "str", "cpu"), ("session", "int", 0),
@@ -99,7 +100,7 @@ def _fake(kind: str, out_form: bool):
         kw = _arguments(kind, out_form, args, kwargs)
         q = kw["q"]
         out_shape, lse_shape = result_shapes(q, kw["k_cache"], kw["v_cache"], v_layout=kw["v_layout"],
-                                             group=kw["seqstart_q"] is not None)
+                                             kv_layout=kw["kv_layout"], group=kw["seqstart_q"] is not None)
         lse = q.new_empty(lse_shape, dtype=torch.float32)
         return lse if out_form else (q.new_empty(out_shape), lse)
 
@@ -115,11 +116,13 @@ class _Meta:
         self.shape, self.ndim, self.dtype = tuple(t.shape), t.dim(), _torch_np_dtype(t.dtype)
 
 
-def result_shapes(q, k_cache, v_cache, *, v_layout: str = "row", group: bool = False) -> tuple[tuple, tuple]:
+def result_shapes(q, k_cache, v_cache, *, v_layout: str = "row", kv_layout: str = "NHD",
+                  group: bool = False) -> tuple[tuple, tuple]:
     """(out shape, LSE shape) of a call: out is q's rows by hdim_v; LSE is
     [batch, nhead_q, seqlen_q], or [nhead_q, total_q] in group mode. From
     the Layout, which checks q and the caches on the way."""
-    return layout_of_arrays(_Meta(q), _Meta(k_cache), _Meta(v_cache), v_layout, group).result_shapes(q.shape, group)
+    layout = layout_of_arrays(_Meta(q), _Meta(k_cache), _Meta(v_cache), v_layout, group, kv_layout)
+    return layout.result_shapes(q.shape, group)
 
 
 def _refuse_grad(kind: str):

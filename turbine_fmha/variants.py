@@ -36,6 +36,9 @@ BIASES = ("none", "alibi", "elementwise")
 BIAS_SHAPES = ("11", "b1", "1h", "bh")
 FORMULATIONS = ("explicit", "online")
 V_LAYOUTS = ("row", "col")
+# Page layouts of the caches (FlashInfer's names): "NHD" [pages, page,
+# nhead_k, dim], "HND" [pages, nhead_k, page, dim] (head-major pages).
+KV_LAYOUTS = ("NHD", "HND")
 # fp8 KV caches under fp16/bf16 queries.
 KV_DTYPES = FP8_DTYPES
 
@@ -59,7 +62,7 @@ def _flag(text: str, when=True) -> dict:
 @dataclasses.dataclass(frozen=True, order=True)
 class Variant(Named):
     # The metadata writes the name (naming.NameCodec): pagedkv_fwd_<dtype>
-    # _d<hdim_q>x<hdim_v>[_h<nhead_q>x<nhead_k>|_g<group>]_pg<page>[_vcol][_kv<fp8>]
+    # _d<hdim_q>x<hdim_v>[_h<nhead_q>x<nhead_k>|_g<group>]_pg<page>[_hnd][_vcol][_kv<fp8>]
     # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
     # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>][_x<merge_splits>].
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
@@ -73,8 +76,8 @@ class Variant(Named):
     bias_shape: str = dataclasses.field(default="", metadata=enum(11, {s: s for s in ("",) + BIAS_SHAPES}))
     softcap: bool = dataclasses.field(default=False, metadata=enum(12, _flag("_softcap")))
     sinks: bool = dataclasses.field(default=False, metadata=enum(13, _flag("_sink")))
-    # V cache layout: "row" [pages, page, nhead_k, hdim_v] or "col"
-    # [pages, nhead_k, hdim_v, page] (ck_tile's column-major V).
+    # V cache layout: "row" (the page layout's) or "col" [pages, nhead_k,
+    # hdim_v, page] (ck_tile's column-major V).
     v_layout: str = dataclasses.field(default="row", metadata=enum(7, {"row": "", "col": "_vcol"}))
     # fp8 KV cache format ("" = same as dtype); queries stay fp16/bf16.
     kv_dtype: str = dataclasses.field(default="", metadata=enum(8, {"": ""} | {k: f"_kv{k}" for k in KV_DTYPES}))
@@ -115,6 +118,11 @@ class Variant(Named):
     # group up to its padded group (group_rows / seqlen_q_tile), whose rows
     # the matrix cores need static.
     group: int = dataclasses.field(default=0, metadata=number(5, "_g", omit=0))
+    # Page layout of both caches (KV_LAYOUTS). With head-major pages a
+    # page's rows of one head are a fixed hdim apart whatever the head
+    # count, which keeps the addressing of run-time-head variants static
+    # (docs/perf-notes.md, "Run-time head counts").
+    kv_layout: str = dataclasses.field(default="NHD", metadata=enum(6.5, {"NHD": "", "HND": "_hnd"}))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -128,6 +136,8 @@ class Variant(Named):
             )
         if self.v_layout not in V_LAYOUTS:
             raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {self.v_layout!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.bias not in BIASES:
             raise ValueError(f"bias must be one of {BIASES}, got {self.bias!r}")
         if (self.bias == "elementwise") != (self.bias_shape in BIAS_SHAPES):
@@ -269,6 +279,7 @@ PROBLEM_FIELDS = (
     "bias_shape",
     "softcap",
     "sinks",
+    "kv_layout",
     "v_layout",
     "kv_dtype",
 )
