@@ -8,7 +8,8 @@ checked on the host afterwards.
 - the same with rotary embedding of K (half-rotated and interleaved) at
   positions seqlen_k + i, against a float64 rotation, and of q;
 - PagedKVCache.append from torch CUDA tensors into a device pool without a
-  host mirror, then attention on it against the float64 reference.
+  host mirror (NHD and HND pages), then attention on it against the float64
+  reference.
 
     PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_kv_write.py --artifacts artifacts-cuda
     python scripts/h200_kv_write.py --device cpu --cache build/test-cache   # dry run here (compiles)
@@ -114,9 +115,10 @@ def case_rotary_q(session, dev):
     return ok, f"q rel err {err:.2e}; q alone: {refused}"
 
 
-def case_cache_append(session, dev):
+def case_cache_append(session, dev, kv_layout="NHD"):
     g = torch.Generator().manual_seed(2)
-    cache = turbine_fmha.PagedKVCache(PAGES, PAGE, HK, D, "f16", session=session, host_mirror=False)
+    cache = turbine_fmha.PagedKVCache(PAGES, PAGE, HK, D, "f16", session=session, host_mirror=False,
+                                      kv_layout=kv_layout)
     seqs, ks, vs = [cache.allocate(), cache.allocate()], [], []
     for n, seq in zip((37, 70), seqs):
         k, v = (torch.randn((n, HK, D), generator=g).half() for _ in range(2))
@@ -153,7 +155,8 @@ def main() -> int:
               lambda layout=layout, dt=dt, r=r: case_write(session, dev, dt, layout, r))
              for dt in (torch.float16, torch.bfloat16) for layout in ("NHD", "HND") for r in (None, "half", "interleaved")]
     cases.append(("rotary of q with its keys; q alone", lambda: case_rotary_q(session, dev)))
-    cases.append(("PagedKVCache.append from torch, no host mirror, then attend", lambda: case_cache_append(session, dev)))
+    cases += [(f"PagedKVCache.append from torch, no host mirror, {layout} pages, then attend",
+               lambda layout=layout: case_cache_append(session, dev, layout)) for layout in ("NHD", "HND")]
     failed = 0
     for label, run in cases:
         try:

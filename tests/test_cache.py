@@ -33,8 +33,9 @@ def _assert_holds(cache, seq, record):
     assert cache.seqlen(seq) == len(want_k)
 
 
-def test_append_across_pages_and_free(rng):
-    cache = PagedKVCache(16, 8, HK, D, "f32")
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_append_across_pages_and_free(rng, kv_layout):
+    cache = PagedKVCache(16, 8, HK, D, "f32", kv_layout=kv_layout)
     a, b = cache.allocate(), cache.allocate()
     rec = {a: [], b: []}
     for seq, n in ((a, 5), (b, 8), (a, 20), (b, 1), (a, 0), (a, 7)):
@@ -57,9 +58,10 @@ def test_append_across_pages_and_free(rng):
         cache.append(a, *_tokens(rng, 1))
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("parent_len", [10, 16])
-def test_fork_copies_a_shared_last_page_on_write(rng, parent_len):
-    cache = PagedKVCache(12, 8, HK, D, "f32")
+def test_fork_copies_a_shared_last_page_on_write(rng, parent_len, kv_layout):
+    cache = PagedKVCache(12, 8, HK, D, "f32", kv_layout=kv_layout)
     p = cache.allocate()
     prefix = _tokens(rng, parent_len)
     cache.append(p, *prefix)
@@ -145,17 +147,20 @@ def test_attention_over_the_cache(explicit_session, rng):
     np.testing.assert_array_equal(cache.gather(seqs[3])[0], k3)
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "float8_e4m3fn"])
-def test_device_resident_pool(explicit_session, rng, dtype):
+def test_device_resident_pool(explicit_session, rng, dtype, kv_layout):
     """With a session, the pool also lives on the device and is updated in
     place by the append kernel: after any mix of appends, forks (with
     copy-on-write) and frees it equals the host mirror, and attention runs
     on it. An fp8 pool lives on the device as its bytes (the i8 append
-    kernel copies bits) and is read by f16 queries with descales."""
+    kernel copies bits) and is read by f16 queries with descales. An HND
+    pool is written as one-head pages and read with kv_layout="HND"."""
     import ml_dtypes
 
     fp8 = dtype.startswith("float8")
-    cache = PagedKVCache(24, 16, 2, 64, getattr(ml_dtypes, dtype) if fp8 else dtype, session=explicit_session)
+    cache = PagedKVCache(24, 16, 2, 64, getattr(ml_dtypes, dtype) if fp8 else dtype, session=explicit_session,
+                         kv_layout=kv_layout)
     raw = (lambda a: a.view(np.int8)) if fp8 else (lambda a: a)
     live = [cache.allocate()]
     for step in range(25):
@@ -179,12 +184,14 @@ def test_device_resident_pool(explicit_session, rng, dtype):
     scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
     out, lse = cache.attend(q, seqs, mask_type="bottom_right", return_lse=True, **scales)
     bt, sk = cache.batch(seqs)
-    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, mask_type="bottom_right", **scales)
+    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, mask_type="bottom_right", kv_layout=kv_layout,
+                                      **scales)
     _check(out, lse, ref, ref_lse, "bf16" if dtype == "bf16" else "f16")
     with pytest.raises(TypeError, match="both"):
-        turbine_fmha.fmha_fwd_paged(q, cache.k_dev, cache.v, bt, sk, session=explicit_session)
+        turbine_fmha.fmha_fwd_paged(q, cache.k_dev, cache.v, bt, sk, kv_layout=kv_layout, session=explicit_session)
     with pytest.raises(TypeError, match="kv_rows_finite"):
-        turbine_fmha.fmha_fwd_paged(q, cache.k, cache.v, bt, sk, kv_rows_finite=1, session=explicit_session)
+        turbine_fmha.fmha_fwd_paged(q, cache.k, cache.v, bt, sk, kv_rows_finite=1, kv_layout=kv_layout,
+                                    session=explicit_session)
 
 
 def _state(cache, seqs):

@@ -30,7 +30,8 @@ import numpy as np
 
 from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
                      ops_for)
-from .kv_write import check_rows, rows_info, run_append
+from .kv_write import _Cache, check_rows, kernel_cache, rows_info, run_append
+from .variants import KV_LAYOUTS
 
 
 class CacheFullError(RuntimeError):
@@ -41,22 +42,31 @@ class PagedKVCache:
     """Page pool of `num_pages` pages of `page_block_size` rows.
 
     k: [num_pages, page_block_size, nhead_k, hdim], v likewise with hdim_v;
-    dtype a numpy dtype (or "f16", "bf16", "f32"). Sequence ids are ints
-    handed out by `allocate` and `fork`. host_mirror=False (with a session)
-    keeps no host copy of the device pool: `k`/`v` are then None.
+    with kv_layout="HND" (FlashInfer's head-major pages, which the kernels
+    for run-time head counts read fastest on GPUs) [num_pages, nhead_k,
+    page_block_size, hdim]. dtype a numpy dtype (or "f16", "bf16", "f32").
+    Sequence ids are ints handed out by `allocate` and `fork`.
+    host_mirror=False (with a session) keeps no host copy of the device
+    pool: `k`/`v` are then None.
     """
 
     def __init__(self, num_pages: int, page_block_size: int, nhead_k: int, hdim: int, dtype="f16", *,
-                 hdim_v: int | None = None, session=None, host_mirror: bool = True):
+                 hdim_v: int | None = None, session=None, host_mirror: bool = True, kv_layout: str = "NHD"):
         for name, val in (("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_k", nhead_k), ("hdim", hdim)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if not isinstance(host_mirror, bool):
             raise TypeError(f"host_mirror must be a bool, got {type(host_mirror).__name__}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
         dt = _dtype(dtype)
         self.dtype = dt
         self.page_block_size = int(page_block_size)
-        self._shapes = tuple((num_pages, page_block_size, nhead_k, d) for d in (hdim, hdim_v or hdim))
+        self.kv_layout = kv_layout
+        self._heads = int(nhead_k)
+        self._dims = (int(hdim), int(hdim_v or hdim))
+        page_dims = (nhead_k, page_block_size) if kv_layout == "HND" else (page_block_size, nhead_k)
+        self._shapes = tuple((num_pages, *page_dims, d) for d in self._dims)
         mirror = session is None or host_mirror
         # 64-byte aligned: CPU sessions then read the pool in place
         # (Session.import_host) instead of copying it on every call.
@@ -80,10 +90,16 @@ class PagedKVCache:
             name = "i8" if self._bits else _dtype_name(dt)
             if name is None:
                 raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
+            # HND pools are written as one-head pages (page p, head h is
+            # page p * nhead_k + h), as reshape_and_cache writes them.
+            heads = 1 if kv_layout == "HND" else nhead_k
             self._append_fn = session.append_function(
-                AppendKernel(name, nhead_k, hdim, hdim_v or hdim, page_block_size))
+                AppendKernel(name, heads, hdim, hdim_v or hdim, page_block_size))
             zeros = (self.k, self.v) if mirror else (np.zeros(s, dt) for s in self._shapes)
             self.k_dev, self.v_dev = (session.device_array(self._raw(z)) for z in zeros)
+            self._append_pools = tuple(
+                kernel_cache(session, _Cache(a, s, dt), (num_pages * nhead_k, page_block_size, 1, d))
+                if kv_layout == "HND" else a for a, s, d in zip((self.k_dev, self.v_dev), self._shapes, self._dims))
 
     # -- sequences -----------------------------------------------------------
 
@@ -142,8 +158,8 @@ class PagedKVCache:
         is copied before it is written). Any error leaves the cache exactly
         as it was: the arguments are checked before anything changes, and
         the bookkeeping is committed only after the device write."""
-        self._rows_arg(k_new, "k_new", self._shapes[0])
-        self._rows_arg(v_new, "v_new", self._shapes[1])
+        self._rows_arg(k_new, "k_new", self._dims[0])
+        self._rows_arg(v_new, "v_new", self._dims[1])
         if v_new.shape[0] != k_new.shape[0]:
             raise ValueError(f"v_new has {v_new.shape[0]} rows but k_new has {k_new.shape[0]}")
         if self.k is not None:  # the host pool or mirror is written from host memory
@@ -170,16 +186,16 @@ class PagedKVCache:
             rows_p = np.asarray(pages, np.int64)[pos // page]
             k_rows, v_rows = k_new, v_new
             if cow:  # the shared page's rows, then the new ones
-                k_rows = np.concatenate([self.k[shared, :fill], k_new])
-                v_rows = np.concatenate([self.v[shared, :fill], v_new])
+                shared_rows = self._at(np.full(fill, shared), np.arange(fill))
+                k_rows = np.concatenate([self.k[shared_rows], k_new])
+                v_rows = np.concatenate([self.v[shared_rows], v_new])
             bad = _nonfinite_rows(v_rows)
             if self.k_dev is not None and pos.size:
-                slots = np.stack([rows_p, pos % page], axis=1).astype(np.int32)
-                run_append(self.session, self._append_fn, k_rows, v_rows, slots, self.k_dev, self.v_dev)
+                self._device_write(k_rows, v_rows, rows_p, pos % page)
             # Commit: nothing below can fail.
             if self.k is not None:
-                self.k[rows_p, pos % page] = k_rows
-                self.v[rows_p, pos % page] = v_rows
+                self.k[self._at(rows_p, pos % page)] = k_rows
+                self.v[self._at(rows_p, pos % page)] = v_rows
             del self._free[len(self._free) - need:]
             if cow:
                 self._refs[shared] -= 1
@@ -199,11 +215,23 @@ class PagedKVCache:
         included."""
         return not self._v_bad.any()
 
-    def _rows_arg(self, x, name: str, pool_shape: tuple) -> None:
+    def _at(self, pages, rows) -> tuple:
+        """The index of rows (pages[i], rows[i]) of a pool: [n, nhead_k, dim]."""
+        return (pages, slice(None), rows) if self.kv_layout == "HND" else (pages, rows)
+
+    def _device_write(self, k_rows, v_rows, pages, rows) -> None:
+        slots = np.stack([pages, rows], axis=1)
+        if self.kv_layout == "HND":  # one row per (token, head), in one-head pages
+            h = self._heads
+            slots = np.stack([(pages[:, None] * h + np.arange(h)).reshape(-1), np.repeat(rows, h)], axis=1)
+            k_rows, v_rows = (x.reshape(-1, 1, d) for x, d in zip((k_rows, v_rows), self._dims))
+        run_append(self.session, self._append_fn, k_rows, v_rows, slots.astype(np.int32), *self._append_pools)
+
+    def _rows_arg(self, x, name: str, dim: int) -> None:
         _check_tensor_devices(self.session.device if self.session is not None else "cpu", **{name: x})
         info = rows_info(x, name)
-        if info.ndim != 3 or tuple(info.shape[1:]) != pool_shape[2:]:
-            raise ValueError(f"{name} must have shape [n, {pool_shape[2]}, {pool_shape[3]}], got {list(info.shape)}")
+        if info.ndim != 3 or tuple(info.shape[1:]) != (self._heads, dim):
+            raise ValueError(f"{name} must have shape [n, {self._heads}, {dim}], got {list(info.shape)}")
         check_rows(info, name, info.shape, self.dtype)
 
     # -- batches -------------------------------------------------------------
@@ -236,7 +264,7 @@ class PagedKVCache:
         else:
             k, v = self.k, self.v
         kwargs.setdefault("kv_rows_finite", self.values_finite)
-        return fmha_fwd_paged(q, k, v, bt, sk, **kwargs)
+        return fmha_fwd_paged(q, k, v, bt, sk, kv_layout=self.kv_layout, **kwargs)
 
     def _raw(self, a: np.ndarray) -> np.ndarray:
         return a.view(np.int8) if self._bits else a
@@ -251,7 +279,7 @@ class PagedKVCache:
             k, v = (self.k, self.v) if self.k is not None else \
                 (a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
         pos = np.arange(n)
-        rows = pages[pos // self.page_block_size], pos % self.page_block_size
+        rows = self._at(pages[pos // self.page_block_size], pos % self.page_block_size)
         return k[rows], v[rows]
 
     def _get(self, seq: int) -> list[int]:
