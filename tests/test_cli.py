@@ -176,9 +176,13 @@ def test_build_model_config_builds_the_model_set(tmp_path, monkeypatch, capsys):
     shape = ModelShape(12, 4, 64, 64, "bf16", (16, 32))
     assert seen["variants"] == {t: model_variants(shape, t) for t in ("host", "cuda")}
     assert isinstance(seen["progress"], tfb.ProgressBar) and seen["out"] == tmp_path / "a"
-    assert "model set: 12/4 heads, head dims 64/64, bf16, pages 16,32" in capsys.readouterr().err
+    assert "model set: 12/4 heads, head dims 64/64, bf16, NHD pages 16,32" in capsys.readouterr().err
     assert main(["build", "--nhead-q", "8", "--hdim", "96", "--dtype", "f32", "--artifacts", str(tmp_path)]) == 0
     assert seen["variants"] == {"host": model_variants(ModelShape(8, 8, 96, 96, "f32"), "host")}
+    assert main(["build", "--nhead-q", "8", "--nhead-k", "2", "--hdim", "64", "--kv-layout", "HND",
+                 "--artifacts", str(tmp_path)]) == 0
+    hnd = model_variants(ModelShape(8, 2, 64, 64, "f16", kv_layout="HND"), "host")
+    assert seen["variants"] == {"host": hnd} and all("_hnd_" in k.name or "_h1_" in k.name for k in hnd)
 
 
 def test_build_progress_bar_redraws_one_line_on_a_terminal():

@@ -95,7 +95,7 @@ def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:
             bt, np.full(batch, keys, np.int32), num_pages=batch * width, page_block_size=page,
             nhead_q=shape.nhead_q, nhead_k=shape.nhead_k, hdim=shape.hdim_q, hdim_v=shape.hdim_v,
             dtype=shape.dtype, seqlen_q=rows, mask_type=mask.removesuffix("_left_window"), num_splits=splits,
-            **window)
+            kv_layout=shape.kv_layout, **window)
         chosen |= {attn._plan._variant(finite) for finite in (False, True)}
     return chosen
 
@@ -104,6 +104,8 @@ def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:
     ("host", ModelShape(12, 4, 64, 64, "bf16")),
     ("cuda", ModelShape(12, 4, 64, 64, "bf16")),
     ("gfx942", ModelShape(8, 1, 256, 256, "f16", (32,))),  # head dims the online kernels cannot serve
+    ("cuda", ModelShape(12, 4, 64, 64, "bf16", kv_layout="HND")),
+    ("host", ModelShape(8, 2, 128, 128, "f16", (64,), kv_layout="HND")),
 ])
 def test_model_set_is_what_the_models_calls_select(tmp_path, target, shape):
     """Every call of the model finds its variant in the set, and every
@@ -116,7 +118,9 @@ def test_model_set_is_what_the_models_calls_select(tmp_path, target, shape):
     assert online == (target != "host" and shape.hdim_q <= 128)
     assert _selected(session, shape, online) == {k for k in kernels if isinstance(k, Variant)}
     appends = [k for k in kernels if isinstance(k, AppendKernel)]
-    assert appends == [AppendKernel(shape.dtype, shape.nhead_k, shape.hdim_q, shape.hdim_v, p) for p in shape.pages]
+    # HND caches are written as one-head pages (reshape_and_cache, PagedKVCache).
+    heads = 1 if shape.kv_layout == "HND" else shape.nhead_k
+    assert appends == [AppendKernel(shape.dtype, heads, shape.hdim_q, shape.hdim_v, p) for p in shape.pages]
 
 
 def test_model_shape_rejects_bad_values():
@@ -126,3 +130,5 @@ def test_model_shape_rejects_bad_values():
         ModelShape(8, 8, 64, 64, "f16", (16, 0))
     with pytest.raises(ValueError, match="dtype must be one of"):
         ModelShape(8, 8, 64, 64, "f8e4m3fn")
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        ModelShape(8, 8, 64, 64, "f16", kv_layout="hnd")

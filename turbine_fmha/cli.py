@@ -170,7 +170,7 @@ def _named_variants(args):
         raise CliError(f"--variants: {e}") from None
 
 
-_MODEL_FLAGS = ("model_config", "nhead_q", "nhead_k", "hdim", "hdim_v", "dtype", "page")
+_MODEL_FLAGS = ("model_config", "nhead_q", "nhead_k", "hdim", "hdim_v", "dtype", "page", "kv_layout")
 
 
 def _model_given(args) -> bool:
@@ -184,7 +184,7 @@ def _model_set(args, targets) -> dict:
     if args.variants:
         raise CliError("--variants cannot be combined with --model-config or the model's shape flags")
     shape = dict(nhead_q=args.nhead_q, nhead_k=args.nhead_k, hdim_q=args.hdim, hdim_v=args.hdim_v,
-                 dtype=args.dtype, pages=args.page)
+                 dtype=args.dtype, pages=args.page, kv_layout=args.kv_layout)
     if args.model_config:
         model = shape_from_config(read_config(args.model_config), source=args.model_config, **shape)
     else:
@@ -195,7 +195,7 @@ def _model_set(args, targets) -> dict:
         model = shape_from_config({}, source="flags", **dict(shape, dtype=args.dtype or "f16"))
     sets = {t: model_variants(model, t) for t in targets}
     print(f"model set: {model.nhead_q}/{model.nhead_k} heads, head dims {model.hdim_q}/{model.hdim_v}, "
-          f"{model.dtype}, pages {','.join(map(str, model.pages))}: "
+          f"{model.dtype}, {model.kv_layout} pages {','.join(map(str, model.pages))}: "
           + ", ".join(f"{len(v)} kernels for {t}" for t, v in sets.items()), file=sys.stderr)
     return sets
 
@@ -239,6 +239,8 @@ def _build_parser(sub) -> None:
     m.add_argument("--hdim-v", type=positive_int, default=None, help="default: --hdim")
     m.add_argument("--dtype", default=None, choices=["f16", "bf16", "f32"], help="default: the config's, else f16")
     m.add_argument("--page", type=int_list(1), default=None, help="comma list of page sizes (default 16)")
+    m.add_argument("--kv-layout", default=None, choices=["NHD", "HND"],
+                   help="the caches' pages: NHD [pages, page, nhead_k, hdim] (default) or HND [pages, nhead_k, page, hdim]")
     b.set_defaults(fn=_cmd_build)
 
 

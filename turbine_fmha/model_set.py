@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from .targets import Target, get_target
-from .variants import AppendKernel, Variant, plain_variants, without_v_guard
+from .variants import KV_LAYOUTS, AppendKernel, Variant, plain_variants, without_v_guard
 
 # torch_dtype names in HF configs -> variant dtypes.
 HF_DTYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32"}
@@ -31,6 +31,7 @@ class ModelShape:
     hdim_v: int
     dtype: str
     pages: tuple[int, ...] = DEFAULT_MODEL_PAGES
+    kv_layout: str = "NHD"  # the cache's pages (Variant.kv_layout)
 
     def __post_init__(self):
         for f in ("nhead_q", "nhead_k", "hdim_q", "hdim_v"):
@@ -43,6 +44,8 @@ class ModelShape:
             raise ValueError(f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})")
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
 
 def _positive(value, name: str) -> None:
@@ -52,11 +55,14 @@ def _positive(value, name: str) -> None:
 
 def model_variants(shape: ModelShape, target: Target | str) -> list[Variant | AppendKernel]:
     """The attention variants a model of `shape` selects on `target`, each
-    online one also without the V guard, and its cache's append kernels."""
+    online one also without the V guard, and its cache's append kernels
+    (one-head ones for HND pages, which they write as one-head pages)."""
     target = get_target(target) if isinstance(target, str) else target
     hdims, heads = ((shape.hdim_q, shape.hdim_v),), ((shape.nhead_q, shape.nhead_k),)
-    variants = plain_variants(target.formulation, (shape.dtype,), hdims, heads, shape.pages)
-    appends = [AppendKernel(shape.dtype, shape.nhead_k, shape.hdim_q, shape.hdim_v, page) for page in shape.pages]
+    variants = [dataclasses.replace(v, kv_layout=shape.kv_layout)
+                for v in plain_variants(target.formulation, (shape.dtype,), hdims, heads, shape.pages)]
+    heads_k = 1 if shape.kv_layout == "HND" else shape.nhead_k
+    appends = [AppendKernel(shape.dtype, heads_k, shape.hdim_q, shape.hdim_v, page) for page in shape.pages]
     return variants + without_v_guard(variants) + appends
 
 
@@ -79,7 +85,7 @@ def shape_from_config(config: dict, *, source: str = "config", **overrides) -> M
     hidden_size / num_attention_heads) and torch_dtype (or dtype). A
     multimodal config's text_config is read when the top level has no
     attention heads. `overrides` (nhead_q, nhead_k, hdim_q, hdim_v, dtype,
-    pages), where not None, win over the config. Errors name `source` and
+    pages, kv_layout), where not None, win over the config. Errors name `source` and
     the key."""
     if "num_attention_heads" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
@@ -109,4 +115,5 @@ def shape_from_config(config: dict, *, source: str = "config", **overrides) -> M
         dtype = HF_DTYPES[name]
     return ModelShape(nhead_q=nhead_q, nhead_k=given.get("nhead_k") or key("num_key_value_heads") or nhead_q,
                       hdim_q=hdim, hdim_v=given.get("hdim_v") or hdim, dtype=dtype,
-                      pages=tuple(given.get("pages") or DEFAULT_MODEL_PAGES))
+                      pages=tuple(given.get("pages") or DEFAULT_MODEL_PAGES),
+                      kv_layout=given.get("kv_layout") or "NHD")
