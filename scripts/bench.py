@@ -525,8 +525,8 @@ def verify(session, rng, dtypes):
         if label == "soft-cap":
             q = q * np.asarray(4, dt)
         sk = np.array(sks, np.int32)
-        out, lse = turbine_fmha.fmha_fwd_paged(q, as_layout(kc), as_layout(vc), bt, sk, return_lse=True, session=session,
-                                               device=session.device, kv_layout=KV_LAYOUT, **kw)
+        out, lse = turbine_fmha.fmha_fwd_paged(q, as_layout(kc), as_layout(vc), bt, sk, return_lse=True,
+                                               session=session, device=session.device, kv_layout=KV_LAYOUT, **kw)
         ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **{k: a for k, a in kw.items() if k != "num_splits"})
         err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
         fin = np.isfinite(ref_lse)
@@ -618,7 +618,8 @@ def main() -> int:
             b, sq, sk = shape["batch"], shape["seqlen_q"], shape["seqlen_k"]
             row = dict(
                 name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
-                nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, kv_layout=KV_LAYOUT, mask=shape["mask"], variant=variant.name,
+                nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, kv_layout=KV_LAYOUT, mask=shape["mask"],
+                variant=variant.name,
                 kernel_calls=ncalls, num_splits=splits, ours_ms=round(ours, 3), ours_host_copy_ms=round(copy_ms, 3),
                 ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
                 ours_run_ms=round(run_ms, 3), ours_one_shot_ms=round(one_ms, 3), baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,

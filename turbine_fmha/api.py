@@ -186,9 +186,9 @@ def fmha_fwd_paged(
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
                  seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks)
     _check_tensor_devices(session.device if isinstance(session, Session) else device, **given, out=out)
-    settings = dict(v_layout=v_layout, kv_layout=kv_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits, kv_rows_finite=kv_rows_finite,
-                    sink_size=sink_size, logits_soft_cap=logits_soft_cap, q_scale=q_scale, k_scale=k_scale,
-                    v_scale=v_scale, p_scale=p_scale, out_scale=out_scale, **terms)
+    settings = dict(v_layout=v_layout, kv_layout=kv_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits,
+                    kv_rows_finite=kv_rows_finite, sink_size=sink_size, logits_soft_cap=logits_soft_cap,
+                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, p_scale=p_scale, out_scale=out_scale, **terms)
     if any(_is_torch(a) and a.requires_grad for a in (*given.values(), out)):  # only then: it imports torch._dynamo
         _torch_ops().check_no_grad(dict(given, out=out))
     if not isinstance(return_lse, bool):

@@ -60,8 +60,8 @@ class PagedAttention:
     not an array of the layer (see there for their meaning), plus the
     layout the caches have: num_pages, page_block_size, nhead_q, nhead_k,
     hdim (hdim_v), dtype (q's: numpy/torch dtype or "f16"/"bf16"/"f32"),
-    kv_dtype (an fp8 cache format), kv_layout and v_layout; in batch mode seqlen_q (q
-    rows per sequence, default 1), in group mode seqstart_q. Invalid tables
+    kv_dtype (an fp8 cache format), kv_layout and v_layout; in batch mode
+    seqlen_q (q rows per sequence, default 1), in group mode seqstart_q. Invalid tables
     raise there, naming the argument, before anything runs.
 
     run(q, k_cache, v_cache, out=None, return_lse=False) takes the layer's
@@ -78,8 +78,8 @@ class PagedAttention:
         self._plan: _Plan | None = None
 
     def plan(self, block_table, seqlen_k, *, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None,
-             dtype="f16", kv_dtype=None, v_layout="row", kv_layout="NHD", seqlen_q=1, seqstart_q=None, kv_offset=None,
-             min_seqlen_q=0, num_splits=None, kv_rows_finite=None, causal=False, softmax_scale=None,
+             dtype="f16", kv_dtype=None, v_layout="row", kv_layout="NHD", seqlen_q=1, seqstart_q=None,
+             kv_offset=None, min_seqlen_q=0, num_splits=None, kv_rows_finite=None, causal=False, softmax_scale=None,
              window_size=None, **score_terms) -> "PagedAttention":
         score_terms.update(conventions(  # flash-attn's spellings (flash_attn.py)
             scale=score_terms.pop("scale", None), softmax_scale=softmax_scale, causal=causal,

@@ -240,7 +240,8 @@ def _build_parser(sub) -> None:
     m.add_argument("--dtype", default=None, choices=["f16", "bf16", "f32"], help="default: the config's, else f16")
     m.add_argument("--page", type=int_list(1), default=None, help="comma list of page sizes (default 16)")
     m.add_argument("--kv-layout", default=None, choices=["NHD", "HND"],
-                   help="the caches' pages: NHD [pages, page, nhead_k, hdim] (default) or HND [pages, nhead_k, page, hdim]")
+                   help="the caches' pages: NHD [pages, page, nhead_k, hdim] (default) or HND [pages, nhead_k, "
+                        "page, hdim]")
     b.set_defaults(fn=_cmd_build)
 
 

@@ -60,8 +60,9 @@ def host_default_set() -> list[Variant]:
 
     Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
     mask, and the same for any head counts with head dims 64/128/256
-    (ANY_HEADS_HDIMS), also over head-major (HND) pages of 16 rows; plus each score-side feature for fp16/bf16, hdim 128, GQA 32/8,
-    page 16, with the causal masks; column-major V; fp8 (e4m3) KV caches
+    (ANY_HEADS_HDIMS), also over head-major (HND) pages of 16 rows; plus
+    each score-side feature for fp16/bf16, hdim 128, GQA 32/8, page 16,
+    with the causal masks; column-major V; fp8 (e4m3) KV caches
     and fp8 (e4m3) static quantization.
     """
     out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
