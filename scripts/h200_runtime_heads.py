@@ -7,7 +7,9 @@ what serves a call is what that directory holds (--static: exact head
 counts; --group: run-time heads for a GQA group; --any-online: run-time
 heads for any group, padded; --hnd: the same over head-major (HND) caches;
 --any: the explicit variants for any head counts, which a GPU session falls
-back to). Then
+back to; --any-hnd: those over HND caches). --stale-nan puts NaN in the
+value rows past each sequence's keys, so that the variants with the
+stale-row guard run. Then
 times PagedAttention.run() of the GQA 32/8 shapes with each directory,
 rounds interleaved, and torch gather+SDPA in the same run.
 
@@ -60,16 +62,25 @@ def hnd(cache):
     return np.ascontiguousarray(cache.transpose(0, 2, 1, 3))
 
 
-# The sessions' cache layouts (--hnd runs over HND caches).
-LAYOUT = {"hnd": "HND"}
+# The sessions' cache layouts (--hnd and --any-hnd run over HND caches).
+LAYOUT = {"hnd": "HND", "any_hnd": "HND"}
 
 
-def verify(session, rng, label, heads, hdims, dtype="f16", page=16) -> bool:
+def poison_stale_rows(vc, bt, seqlen_k, page):
+    """NaN in the value rows of each sequence's last page past its keys."""
+    for b, n in enumerate(seqlen_k):
+        if n % page:
+            vc[bt[b, (n - 1) // page], n % page:] = np.nan
+
+
+def verify(session, rng, label, heads, hdims, dtype="f16", page=16, stale_nan=False) -> bool:
     ok = True
     for (hq, hk), d in ((h, d) for h in heads for d in hdims):
         for sq, mask in ((1, None), (150, "bottom_right")):
             sk = [5, 300, 77] if sq == 1 else [150, 170, 400]
             q, kc, vc, bt, seqlen_k = make_problem(rng, dtype, 3, sq, sk, hq, hk, d, page)
+            if stale_nan:
+                poison_stale_rows(vc, bt, seqlen_k, page)
             kw = {"mask_type": mask} if mask else {}
             layout = LAYOUT.get(label, "NHD")
             kc_l, vc_l = (hnd(kc), hnd(vc)) if layout == "HND" else (kc, vc)
@@ -141,20 +152,23 @@ def main() -> int:
     ap.add_argument("--any-online", help="online, run-time heads for any group (padded)")
     ap.add_argument("--hnd", help="online, run-time heads for any group (padded), HND caches")
     ap.add_argument("--any", help="explicit, any head counts")
+    ap.add_argument("--any-hnd", help="explicit, any head counts, HND caches")
+    ap.add_argument("--stale-nan", action="store_true", help="NaN in the value rows past the keys (guarded variants)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng()
-    dirs = {k: getattr(args, k) for k in ("static", "group", "any_online", "hnd", "any") if getattr(args, k)}
+    dirs = {k: getattr(args, k) for k in ("static", "group", "any_online", "hnd", "any", "any_hnd") if getattr(args, k)}
     sessions = {k: recording(turbine_fmha.Session(args.device, artifact_dir=d)) for k, d in dirs.items()}
     checks = {"group": (((32, 8), (16, 4), (4, 1), (40, 10)), (128,)),
               "any_online": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (64, 4), (24, 8)), (128,)),
               "hnd": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (24, 8)), (128,)),
               "any": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1)), (64, 128, 256))}
+    checks["any_hnd"] = checks["any"]
     ok = True
     for k, (heads, hdims) in checks.items():
         if k in sessions:
-            ok &= verify(sessions[k], rng, k, heads, hdims)
+            ok &= verify(sessions[k], rng, k, heads, hdims, stale_nan=args.stale_nan)
     print("verify", "PASS" if ok else "FAIL")
     if args.no_time:
         return 0 if ok else 1
