@@ -18,6 +18,7 @@ import pytest
 
 import turbine_fmha
 from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem
+from test_modes import _check, _group_problem
 from turbine_fmha import build as tfb
 from turbine_fmha.cache import aligned_zeros
 from turbine_fmha.reference import fmha_fwd_paged_ref
@@ -103,6 +104,22 @@ def test_hnd_matches_reference(rng, formulation, heads):
                                   nhead_k=nk, hdim=64, page=16)
             check_hnd(session, (*p, sk - offset), dtype="f16", kv_offset=offset, **kw)
             assert session.last_variant.kv_layout == "HND"
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online"])
+def test_group_mode_and_split_kv_over_hnd(rng, formulation, explicit_session, online_session):
+    """Group mode (a mixed batch of decodes and prefills, regrouped by the
+    runtime) and split-KV merged on the host, over HND caches (compiled on
+    demand: the default sessions' path)."""
+    session = explicit_session if formulation == "explicit" else online_session
+    q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", [1, 37, 0, 1, 12], [40, 90, 17, 0, 33])
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, hnd(k), hnd(v), bt, sk, seqstart_q=seqstart, kv_layout="HND",
+                                          return_lse=True, session=session, **kw)
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, **kw), "f16")
+    p = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[700, 90], nhead_q=8, nhead_k=2, hdim=64,
+                     page=16)
+    check_hnd(session, p, dtype="f16", num_splits=3)
 
 
 def _features(rng, hq=8):
