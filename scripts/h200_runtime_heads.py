@@ -33,8 +33,9 @@ import turbine_fmha  # noqa: E402
 from turbine_fmha.arrays import np_dtype  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
-# Output error bound, max |out - ref| / max |ref| (tests/conftest.py says why).
+# Output and LSE error bounds (tests/conftest.py says why).
 OUT_TOL = {"f16": 5e-3, "bf16": 2e-2}
+LSE_TOL = {"f16": 5e-3, "bf16": 3e-2}
 
 
 def make_problem(rng, dtype, batch, seqlen_q, seqlens_k, nhead_q, nhead_k, hdim, page):
@@ -89,7 +90,7 @@ def verify(session, rng, label, heads, hdims, dtype="f16", page=16, stale_nan=Fa
             ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, seqlen_k, **kw)
             err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
             lerr = np.abs(lse - ref_lse).max()
-            good = bool(np.isfinite(out).all() and err <= OUT_TOL[dtype] and lerr <= 5e-3)
+            good = bool(np.isfinite(out).all() and err <= OUT_TOL[dtype] and lerr <= LSE_TOL[dtype])
             ok &= good
             variants = sorted(set(session.picked))
             session.picked.clear()
@@ -154,6 +155,7 @@ def main() -> int:
     ap.add_argument("--any", help="explicit, any head counts")
     ap.add_argument("--any-hnd", help="explicit, any head counts, HND caches")
     ap.add_argument("--stale-nan", action="store_true", help="NaN in the value rows past the keys (guarded variants)")
+    ap.add_argument("--dtype", default="f16", choices=sorted(OUT_TOL), help="of the verified calls")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args()
@@ -168,7 +170,7 @@ def main() -> int:
     ok = True
     for k, (heads, hdims) in checks.items():
         if k in sessions:
-            ok &= verify(sessions[k], rng, k, heads, hdims, stale_nan=args.stale_nan)
+            ok &= verify(sessions[k], rng, k, heads, hdims, dtype=args.dtype, stale_nan=args.stale_nan)
     print("verify", "PASS" if ok else "FAIL")
     if args.no_time:
         return 0 if ok else 1
