@@ -1,8 +1,9 @@
 """Head-major (HND) caches, [num_pages, nhead_k, page_block_size, hdim]
 (FlashInfer's kv_layout="HND"): every formulation and head-count kind
 against the float64 reference computed on the same pages in NHD order, so
-that the reference's own layout handling is not what is tested; names,
-refusals, the stale-row check, and a round trip through reshape_and_cache.
+that the reference's own layout handling is not what is tested; group
+mode and split-KV; names, refusals, the stale-row check, and a round trip
+through reshape_and_cache.
 
 Tolerances are conftest's: the kernels compute the same contractions, only
 the gathers' addressing differs.
