@@ -50,7 +50,7 @@ from turbine_fmha.artifacts import ArtifactError  # noqa: E402
 from turbine_fmha import plan as tf_plan  # noqa: E402
 from turbine_fmha.mask import MaskSpec  # noqa: E402
 from turbine_fmha.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv  # noqa: E402
-from turbine_fmha.variants import Variant, bias_shape_of, online_variant  # noqa: E402
+from turbine_fmha.variants import KV_LAYOUTS, Variant, bias_shape_of, online_variant  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPES = {
@@ -558,7 +558,7 @@ def main() -> int:
     ap.add_argument("--list-feature-variants", action="store_true", help="print the variants --features needs, then exit")
     ap.add_argument("--split-kv", action="store_true", help="also time decode with split-KV at several split counts")
     ap.add_argument("--block-skipping", action="store_true", help="also time causal prefill with and without masked-block skipping")
-    ap.add_argument("--kv-layout", choices=["NHD", "HND"], default="NHD", help="the caches' page layout")
+    ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="NHD", help="the caches' page layout")
     args = ap.parse_args()
     global KV_LAYOUT
     KV_LAYOUT = args.kv_layout

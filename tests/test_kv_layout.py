@@ -20,6 +20,7 @@ import pytest
 import turbine_fmha
 from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem
 from test_modes import _check, _group_problem
+from test_runtime_heads import _features
 from turbine_fmha import build as tfb
 from turbine_fmha.cache import aligned_zeros
 from turbine_fmha.reference import fmha_fwd_paged_ref
@@ -123,22 +124,12 @@ def test_group_mode_and_split_kv_over_hnd(rng, formulation, explicit_session, on
     check_hnd(session, p, dtype="f16", num_splits=3)
 
 
-def _features(rng, hq=8):
-    return {
-        "alibi": (dict(alibi_slopes=rng.uniform(0.01, 0.5, hq).astype(np.float32)), dict(bias="alibi")),
-        "bias_1h": (dict(bias=rng.standard_normal((1, hq, 5, 80)).astype(np.float32)),
-                    dict(bias="elementwise", bias_shape="1h")),
-        "softcap": (dict(logits_soft_cap=15.0), dict(softcap=True)),
-        "sinks": (dict(sinks=rng.uniform(-1, 2, hq).astype(np.float32)), dict(sinks=True)),
-    }
-
-
 @pytest.mark.parametrize("formulation", ["explicit", "online"])
 @pytest.mark.parametrize("feature", ["alibi", "bias_1h", "softcap", "sinks"])
 def test_features_over_hnd(rng, formulation, feature):
     """Score-side features, ALiBi and the per-head bias through the online
     kernels' per-head loop, which slices a head out of the HND gathers."""
-    kw, fields = _features(rng)[feature]
+    kw, fields = _features(rng, hq=8)[feature]
     v = Variant("f16", 64, 64, 0, 0, 16, "bottom_right", group=4, kv_layout="HND", **fields)
     if formulation == "online":
         v = online_variant(v.problem, 1, 16)

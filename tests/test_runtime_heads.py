@@ -79,10 +79,9 @@ def test_every_head_count(rng, heads, dtype):
 
 
 # Score-side features, cache layouts and formats with any head counts:
-# call keyword arguments for (nhead_q, nhead_k) = (12, 4), and the variant
-# fields they need.
-def _features(rng):
-    hq = 12
+# call keyword arguments for `hq` query heads (a batch of 3, 5 query rows,
+# up to 80 keys), and the variant fields they need.
+def _features(rng, hq=12):
     return {
         "alibi": (dict(alibi_slopes=rng.uniform(0.01, 0.5, hq).astype(np.float32)), dict(bias="alibi")),
         "bias_1h": (dict(bias=rng.standard_normal((1, hq, 5, 80)).astype(np.float32)),

@@ -30,7 +30,7 @@ import numpy as np
 
 from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
                      ops_for)
-from .kv_write import _Cache, check_rows, kernel_cache, rows_info, run_append
+from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info, run_append
 from .variants import KV_LAYOUTS
 
 
@@ -90,8 +90,7 @@ class PagedKVCache:
             name = "i8" if self._bits else _dtype_name(dt)
             if name is None:
                 raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
-            # HND pools are written as one-head pages (page p, head h is
-            # page p * nhead_k + h), as reshape_and_cache writes them.
+            # HND pools are written as one-head pages (kv_write.one_head_slots).
             heads = 1 if kv_layout == "HND" else nhead_k
             self._append_fn = session.append_function(
                 AppendKernel(name, heads, hdim, hdim_v or hdim, page_block_size))
@@ -220,12 +219,11 @@ class PagedKVCache:
         return (pages, slice(None), rows) if self.kv_layout == "HND" else (pages, rows)
 
     def _device_write(self, k_rows, v_rows, pages, rows) -> None:
-        slots = np.stack([pages, rows], axis=1)
-        if self.kv_layout == "HND":  # one row per (token, head), in one-head pages
-            h = self._heads
-            slots = np.stack([(pages[:, None] * h + np.arange(h)).reshape(-1), np.repeat(rows, h)], axis=1)
+        if self.kv_layout == "HND":
+            pages, rows = one_head_slots(pages, rows, self._heads)
             k_rows, v_rows = (x.reshape(-1, 1, d) for x, d in zip((k_rows, v_rows), self._dims))
-        run_append(self.session, self._append_fn, k_rows, v_rows, slots.astype(np.int32), *self._append_pools)
+        slots = np.stack([pages, rows], axis=1).astype(np.int32)
+        run_append(self.session, self._append_fn, k_rows, v_rows, slots, *self._append_pools)
 
     def _rows_arg(self, x, name: str, dim: int) -> None:
         _check_tensor_devices(self.session.device if self.session is not None else "cpu", **{name: x})

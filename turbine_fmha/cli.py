@@ -222,6 +222,8 @@ def _artifacts_option(sp, note: str = "") -> None:
 
 
 def _build_parser(sub) -> None:
+    from .variants import KV_LAYOUTS
+
     b = sub.add_parser("build", help="compile variants ahead of time")
     b.add_argument("--targets", default="host", help=f"comma list of: {', '.join(TARGETS)}")
     _artifacts_option(b, "; created if missing")
@@ -239,7 +241,7 @@ def _build_parser(sub) -> None:
     m.add_argument("--hdim-v", type=positive_int, default=None, help="default: --hdim")
     m.add_argument("--dtype", default=None, choices=["f16", "bf16", "f32"], help="default: the config's, else f16")
     m.add_argument("--page", type=int_list(1), default=None, help="comma list of page sizes (default 16)")
-    m.add_argument("--kv-layout", default=None, choices=["NHD", "HND"],
+    m.add_argument("--kv-layout", default=None, choices=KV_LAYOUTS,
                    help="the caches' pages: NHD [pages, page, nhead_k, hdim] (default) or HND [pages, nhead_k, "
                         "page, hdim]")
     b.set_defaults(fn=_cmd_build)

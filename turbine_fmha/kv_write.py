@@ -24,9 +24,8 @@ from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name
                      _numpy_to_torch, _TensorInfo, _to_numpy, overlapping)
 from .checks import check_int, int_array
 from .interop import run_append
+from .variants import KV_LAYOUTS as LAYOUTS
 from .variants import AppendKernel
-
-LAYOUTS = ("NHD", "HND")
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", q=None, rotary_cos=None,
@@ -139,9 +138,8 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
                 raise ValueError(f"{cname} overlaps {clash} in memory: the caches are written while it is read")
     tokens = int(np.prod(lead, dtype=np.int64))
     page_of, row = flat[kept] // page, (flat[kept] % page).astype(np.int32)
-    if kv_layout == "HND":  # one-head pages: page p, head h is page p * nhead_k + h
-        page_of = (page_of[:, None] * nhead_k + np.arange(nhead_k)).reshape(-1)
-        row = np.repeat(row, nhead_k)
+    if kv_layout == "HND":
+        page_of, row = one_head_slots(page_of, row, nhead_k)
         views = ((num_pages * nhead_k, page, 1, hdim), (num_pages * nhead_k, page, 1, hdim_v))
     else:
         views = (kc.shape, vc.shape)
@@ -149,6 +147,13 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
     kernel = AppendKernel(name, 1 if kv_layout == "HND" else nhead_k, hdim, hdim_v, page, mode)
     return _Write(kernel, (kc, vc), views, k.reshape(tokens, nhead_k, hdim), v.reshape(tokens, nhead_k, hdim_v),
                   None if kept.size == tokens else kept, np.stack([page_of.astype(np.int32), row], axis=1), rotary)
+
+
+def one_head_slots(pages: np.ndarray, rows: np.ndarray, nhead_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """An HND cache is written as nhead_k times as many one-head pages (page
+    p, head h is page p * nhead_k + h) by the append kernel for one head:
+    the (page, row) slot of each token's head, token-major."""
+    return (pages[:, None] * nhead_k + np.arange(nhead_k)).reshape(-1), np.repeat(rows, nhead_k)
 
 
 def _cache_layout(kc: _Cache, vc: _Cache, kv_layout: str) -> tuple:
