@@ -236,10 +236,19 @@ def test_invalid_writes_change_nothing(explicit_session, rng):
         (ValueError, "^slot_mapping must have shape", dict(slot_mapping=slots[:2])),
         (ValueError, r"^slot_mapping\[1\] = 24 is neither", dict(slot_mapping=np.array([0, NP * PG, 1]))),
         (ValueError, r"^slot_mapping\[2\] = -2", dict(slot_mapping=np.array([0, 1, -2]))),
+        # Unsigned slots are checked as given: 2**64 - 1 is no -1 (skip).
+        (ValueError, r"^slot_mapping\[1\] = 18446744073709551615 is out of range",
+         dict(slot_mapping=np.array([0, 2**64 - 1, 1], np.uint64))),
+        (ValueError, r"^slot_mapping\[0\] = 24 is neither", dict(slot_mapping=np.array([NP * PG, 0, 1], np.uint64))),
+        (ValueError, r"^slot_mapping\[2\] = 4294967295 is neither",
+         dict(slot_mapping=np.array([0, 1, 2**32 - 1], np.uint32))),
         (ValueError, "^slot_mapping writes slot 5 twice", dict(slot_mapping=np.array([5, -1, 5]))),
         (TypeError, "^slot_mapping must be an integer", dict(slot_mapping=slots.astype(np.float32))),
         (ValueError, "^kv_layout", dict(kv_layout="NDH")),
         (ValueError, "^k_cache must be writeable, C-contiguous and 64-byte aligned", dict(k_cache=unaligned)),
+        # A CPU torch view at an offset is not 64-byte aligned either.
+        (ValueError, "^v_cache must be writeable, C-contiguous and 64-byte aligned",
+         dict(v_cache=torch.from_numpy(np.empty(vc.size + 1, np.float16)[1:].reshape(vc.shape)))),
         (ValueError, "^k_cache must be writeable", dict(k_cache=readonly)),
         (ValueError, "^v_cache must match", dict(v_cache=aligned_zeros((NP, PG, HK + 1, DV), np.float16))),
         (ValueError, "^k_cache overlaps k ", dict(k=kc[0, :3])),
@@ -277,3 +286,26 @@ def test_rotary_append_kernels_are_named_variants():
     assert parse_kernel("pagedkv_append_f16_h8_d64x64_pg16").rotary == "none"
     with pytest.raises(ValueError, match="rotary embedding needs"):
         AppendKernel("i8", 8, 128, 128, 16, "half")
+
+
+def test_rotated_q_outlives_later_calls(explicit_session, rng):
+    """The rotated q a call returns keeps its values while later calls run
+    (it was a view of a result buffer that the next call reused), numpy and
+    torch alike."""
+    kc, vc = _garbage(rng, (NP, PG, HK, D), np.float16), _garbage(rng, (NP, PG, HK, D), np.float16)
+    k = rng.standard_normal((2, HK, D)).astype(np.float16)
+    theta = rng.uniform(0, 2 * np.pi, (8, 4))
+    rot = dict(rotary_cos=np.cos(theta).astype(np.float32), rotary_sin=np.sin(theta).astype(np.float32),
+               seqlen_k=np.array([1]), seqstart=np.array([0, 2]))
+    kept = []
+    for kind in ("numpy", "torch", "numpy", "torch"):
+        q = rng.standard_normal((2, 4, D)).astype(np.float16)
+        arg = q if kind == "numpy" else torch.from_numpy(q)
+        out = reshape_and_cache(k, k, kc, vc, np.array([0, 5]), q=arg, session=explicit_session, **rot)
+        kept.append((out, _host(out).copy()))
+    for out, snapshot in kept:
+        np.testing.assert_array_equal(_host(out).view(np.uint16), snapshot.view(np.uint16))
+
+
+def _host(a):
+    return a.numpy() if isinstance(a, torch.Tensor) else a

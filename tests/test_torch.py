@@ -108,3 +108,23 @@ def test_kvcache_mode_keeps_torch_caches_torch(explicit_session, rng):
     out = turbine_fmha.fmha_fwd_kvcache(_t(q), _t(k), _t(v), sk, cache_batch_idx=idx, session=explicit_session)
     ref = turbine_fmha.fmha_fwd_kvcache(q, k, v, sk, cache_batch_idx=idx, session=explicit_session)
     np.testing.assert_array_equal(out.numpy(), ref)
+
+
+def test_unaligned_cpu_torch_caches_are_read(explicit_session, rng):
+    """The attention reads CPU torch caches that are not 64-byte aligned
+    (a view at an offset, torch.from_numpy of an unaligned array): they are
+    copied into aligned memory for the call, as such numpy caches are.
+    (Writes need aligned memory: test_kv_write refuses them.)"""
+    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64,
+                        page=16)
+
+    def unaligned(a):
+        t = torch.empty(a.size + 1, dtype=torch.float16)[1:].view(a.shape)
+        t.copy_(torch.from_numpy(a))
+        assert t.data_ptr() % 64
+        return t
+
+    out = turbine_fmha.fmha_fwd_paged(torch.from_numpy(prob[0]), unaligned(prob[1]), unaligned(prob[2]), prob[3],
+                                      prob[4], causal=True, session=explicit_session)
+    ref, _ = fmha_fwd_paged_ref(*prob, mask_type="bottom_right", window_size_right=0)
+    assert np.abs(out.double().numpy() - ref).max() / np.abs(ref).max() <= OUT_TOL["f16"]

@@ -253,3 +253,158 @@ def test_session_handles(tmp_path, rng):
     with pytest.raises(RuntimeError, match=f"session handle {ha} names no live"):
         OPS.fmha_fwd_paged(*args, session=ha)
     assert torch_ops._session(hb) is b
+
+
+# -- issue 25: KV writes, errors and recompiles under torch.compile -----------
+
+def _dense_caches(rng, batch_cache, rows, heads, hdim):
+    """Caches in torch's own (64-byte aligned) memory, which KV writes need."""
+    k = rng.standard_normal((batch_cache, rows, heads, hdim)).astype(np.float16)
+    v = rng.standard_normal((batch_cache, rows, heads, hdim)).astype(np.float16)
+    return tuple(t.clone() for t in _tensors(k, v))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_kv_writes_build_their_kernels_on_first_use(tmp_path, rng, caplog, fullgraph):
+    """A compiled function whose KV writes need an append kernel the
+    session has not built yet builds it when it first runs (outside what
+    dynamo traces: tracing into the build crashed) and then does exactly
+    what the eager calls do: results and caches bit for bit. Two kernels
+    are compiled on demand in the compiled region: the plain append of the
+    in-call append, and reshape_and_cache's rotary one. The session's cache
+    is fresh (tmp_path) and the kernels' shape is this test's own (3 KV
+    heads of 64), so both compiles happen here."""
+    import logging
+
+    session = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=tmp_path, artifact_dir=CACHE)
+    kc, vc = _dense_caches(rng, 4, 16, 3, 64)
+    q = torch.from_numpy(rng.standard_normal((2, 1, 6, 64)).astype(np.float16))
+    k_new, v_new = (torch.from_numpy(rng.standard_normal((2, 1, 3, 64)).astype(np.float16)) for _ in range(2))
+    rows = torch.tensor([3, 1], dtype=torch.int32)
+    theta = rng.uniform(0, 2 * np.pi, (8, 8))
+    cos, sin = (torch.from_numpy(f(theta).astype(np.float32)) for f in (np.cos, np.sin))
+    slots = torch.tensor([[0 * 16 + 6], [2 * 16 + 7]])  # cache rows 0 and 2, positions 6 and 7
+
+    def step(q, kc, vc, k_new, v_new):
+        out, lse = flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=5, cache_batch_idx=rows,
+                                           causal=True, return_softmax_lse=True, session=session)
+        q_rot = turbine_fmha.reshape_and_cache(k_new, v_new, kc, vc, slots, q=q, rotary_cos=cos, rotary_sin=sin,
+                                               seqlen_k=torch.tensor([6, 7]), session=session)
+        return out * 1, lse, q_rot
+
+    eager_kc, eager_vc = kc.clone(), vc.clone()
+    with caplog.at_level(logging.WARNING, logger="turbine_fmha.runtime"):
+        got = torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(q, kc, vc, k_new, v_new)
+    built = [r.getMessage() for r in caplog.records if "compiling pagedkv_append" in r.getMessage()]
+    assert len(built) == 2, built
+    want = step(q, eager_kc, eager_vc, k_new, v_new)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(kc.view(torch.int16), eager_kc.view(torch.int16))
+    assert torch.equal(vc.view(torch.int16), eager_vc.view(torch.int16))
+    # Attention saw cache rows 3 and 1 with their new key 5; the later
+    # writes went to rows 0 and 2.
+    ref, ref_lse = fmha_fwd_paged_ref(q.numpy(), kc.numpy(), vc.numpy(), rows.numpy()[:, None],
+                                      np.full(2, 6, np.int32), mask_type="bottom_right", window_size_right=0)
+    _check(got[0], ref, got[1], ref_lse)
+
+
+def test_compiled_in_call_append_errors_keep_their_type(trap, rng):
+    """Argument errors of a compiled in-call append are raised when the op
+    runs, as in eager code, so they keep their type under fullgraph=True
+    (an error raised while dynamo traces reaches the caller as
+    torch._dynamo.exc.Unsupported)."""
+    kc, vc = _dense_caches(rng, 2, 16, 2, 64)
+    q = torch.zeros(2, 1, 4, 64, dtype=torch.float16)
+    cos = torch.ones(8, 8)
+    compiled = torch.compile(lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, rotary_cos=cos, rotary_sin=cos, cache_seqlens=3, session=trap), fullgraph=True,
+        backend="aot_eager")
+    with pytest.raises(NotImplementedError, match="rotary_cos/rotary_sin without k/v"):
+        compiled(q, kc, vc)
+    k_new = torch.zeros(2, 1, 2, 64, dtype=torch.float16)
+    compiled = torch.compile(lambda q, kc, vc, k: flash_attn_with_kvcache(
+        q, kc, vc, k=k, v=k, session=trap), fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="cache_seqlens is required with k/v"):
+        compiled(q, kc, vc, k_new)
+
+
+def test_dynamic_shapes_one_graph_across_pools_and_batches(explicit_session, rng):
+    """dynamic=True: new batches and new pool sizes reuse the graph (the
+    fake implementation pinned every size it read with int(), so each new
+    pool size recompiled). Sizes equal at the first call share one symbol
+    under dynamo's duck sizing (a batch of 8 with 8 KV heads): caches
+    marked static (torch._dynamo.mark_static, or module buffers) keep such
+    a batch apart, as the user guide says."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attend(q, k, v, bt, sk):
+        return turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, causal=True, session=explicit_session)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend=counter)
+    # Pools of 4 + 3, 6 + 3 and 8 + 3 pages, tables 3 wide: no size equals
+    # another (duck sizing would tie them).
+    for batch in (4, 6, 8):
+        p = make_problem(rng, dtype="f16", batch=batch, seqlen_q=1, seqlens_k=[20] * batch, nhead_q=10,
+                         nhead_k=5, hdim=64, page=32)
+        out = compiled(*_tensors(*p))
+        ref, _ = fmha_fwd_paged_ref(*p, mask_type="bottom_right", window_size_right=0)
+        _check(out, ref)
+    assert counter.frame_count == 1, "recompiled for a new batch or pool size"
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend=counter)
+    p = make_problem(rng, dtype="f16", batch=11, seqlen_q=1, seqlens_k=[20] * 11, nhead_q=16, nhead_k=8,
+                     hdim=64, page=32)
+    q, k, v, bt, sk = _tensors(*p)
+    torch._dynamo.mark_static(k)
+    torch._dynamo.mark_static(v)
+    for batch in (8, 9, 10, 11):
+        out = compiled(q[:batch], k, v, bt[:batch], sk[:batch])
+        ref, _ = fmha_fwd_paged_ref(p[0][:batch], p[1], p[2], p[3][:batch], p[4][:batch],
+                                    mask_type="bottom_right", window_size_right=0)
+        _check(out, ref)
+    assert counter.frame_count == 1, "recompiled when the batch left the KV head count"
+
+
+def _requires_grad_calls(rng, session):
+    """Each op called directly with a tensor that requires grad (named),
+    and what it must leave untouched."""
+    args, q_shape = _op_args(rng, "paged")
+    out = torch.full(q_shape, float("nan"), dtype=torch.float16)
+    kv_args, _ = _op_args(rng, "kvcache")
+    kc, vc = _dense_caches(rng, 2, 16, 2, 64)
+    new = torch.zeros(1, 2, 64, dtype=torch.float16)
+    h = dict(session=torch_ops.session_handle(session))
+    q = args[0].clone().requires_grad_(True)
+    return [
+        ("q", lambda: OPS.fmha_fwd_paged(q, *args[1:], **h), ()),
+        ("q", lambda: OPS.fmha_fwd_paged_out(q, *args[1:5], out, **h), (out,)),
+        ("q", lambda: OPS.fmha_fwd_kvcache_out(kv_args[0].clone().requires_grad_(True), *kv_args[1:4], out,
+                                               kv_args[4], **h), (out,)),
+        ("k", lambda: OPS.reshape_and_cache(new.clone().requires_grad_(True), new, kc, vc, torch.tensor([3]), **h),
+         (kc, vc)),
+        ("k", lambda: OPS.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=torch.float16), kc, vc,
+                                                  new[None].expand(2, 1, 2, 64).clone().requires_grad_(True),
+                                                  new[None].expand(2, 1, 2, 64), cache_seqlens=torch.tensor([2, 3]),
+                                                  **h), (kc, vc)),
+    ]
+
+
+def test_every_op_refuses_requires_grad_before_running(explicit_session, rng):
+    """The _out ops and the KV-write ops refuse an input that requires
+    grad by name, before anything is written (out keeps its NaN, the
+    caches their bits), as the functional ops do; under torch.no_grad()
+    the same calls run."""
+    for name, call, untouched in _requires_grad_calls(rng, explicit_session):
+        before = [t.clone() for t in untouched]
+        with pytest.raises(ValueError, match=f"{name} requires grad"):
+            call()
+        for t, b in zip(untouched, before):
+            assert torch.equal(t.view(torch.int16), b.view(torch.int16))
+    for name, call, _ in _requires_grad_calls(rng, explicit_session):
+        with torch.no_grad():
+            result = call()
+        results = result if isinstance(result, tuple) else (result,)
+        assert not any(r.requires_grad for r in results)

@@ -10,7 +10,6 @@ offending argument.
 from __future__ import annotations
 
 import functools
-import sys
 
 from .arrays import _check_tensor_devices, _is_torch, overlapping
 from .attention import PagedAttention, _Plan, resolve_session
@@ -19,6 +18,7 @@ from .modes import paged_view
 from .plan_cache import call_key
 from .problem import from_arrays
 from .runtime import Session, default_session
+from .tracing import check_no_grad, compiling
 
 
 def _routed(fn):
@@ -26,7 +26,7 @@ def _routed(fn):
     given: dynamo traces this wrapper, not the eager body (locals() and closures it cannot)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if _compiling():
+        if compiling():
             return _torch_ops().call_op("paged", **dict(zip(("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
                                                              args)), **kwargs)
         return fn(*args, **kwargs)
@@ -189,8 +189,7 @@ def fmha_fwd_paged(
     settings = dict(v_layout=v_layout, kv_layout=kv_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits,
                     kv_rows_finite=kv_rows_finite, sink_size=sink_size, logits_soft_cap=logits_soft_cap,
                     q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, p_scale=p_scale, out_scale=out_scale, **terms)
-    if any(_is_torch(a) and a.requires_grad for a in (*given.values(), out)):  # only then: it imports torch._dynamo
-        _torch_ops().check_no_grad(dict(given, out=out))
+    check_no_grad(dict(given, out=out))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     # Rows are written chunk by chunk while later chunks still read the
@@ -222,7 +221,7 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, 
     kernels for), and run by the paged kernels.
     """
     seqlen_k = kvcache_seqlens(q, k_cache, seqlen_k, cache_seqlens, kwargs.get("seqstart_q"))
-    if _compiling():
+    if compiling():
         return _torch_ops().call_op("kvcache", q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k,
                                     cache_batch_idx=cache_batch_idx, **kwargs)
     for name, paged in (("v_layout", "row"), ("kv_layout", "NHD")):
@@ -242,11 +241,6 @@ def fmha_fwd_paged_async(*args, session: Session | None = None, device: str = "c
     if session is None:
         session = default_session(device)
     return session.submit(fmha_fwd_paged, *args, session=session, device=device, **kwargs)
-
-
-def _compiling() -> bool:
-    """Whether torch.compile traces the call (a caller without torch never is)."""
-    return "torch" in sys.modules and sys.modules["torch"].compiler.is_compiling()
 
 
 def _torch_ops():

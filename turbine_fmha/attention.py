@@ -41,12 +41,14 @@ from .plan import (
 )
 from .problem import Problem, layout_of_params, problem, scores, tables
 from .runtime import DEVICES, Session, resolve_session  # noqa: F401 (DEVICES re-exported)
+from .tracing import check_no_grad, untraced_methods
 from .variants import bias_shape_of, group_rows_for
 
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
 
 
+@untraced_methods
 class PagedAttention:
     """Paged-KV attention planned once per batch step and run per layer.
 
@@ -233,10 +235,7 @@ class _Plan:
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
         session = self.session
         _check_tensor_devices(session.device, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
-        if any(_is_torch(a) and a.requires_grad for a in (q, k_cache, v_cache, out)):
-            from .torch_ops import check_no_grad  # imports torch._dynamo: only when needed
-
-            check_no_grad(dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out))
+        check_no_grad(dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out))
         like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")

@@ -31,6 +31,7 @@ import numpy as np
 from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
                      ops_for)
 from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info, run_append
+from .tracing import untraced_methods
 from .variants import KV_LAYOUTS
 
 
@@ -38,6 +39,7 @@ class CacheFullError(RuntimeError):
     """Not enough free pages for a request; the cache is left unchanged."""
 
 
+@untraced_methods
 class PagedKVCache:
     """Page pool of `num_pages` pages of `page_block_size` rows.
 

@@ -11,6 +11,7 @@ import numpy as np
 from .arrays import _bf16, _is_torch, _to_numpy, _torch_np_dtype, overlapping
 
 F32_MAX = float(np.finfo(np.float32).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def check_int(value, name: str, *, minimum: int) -> int:
@@ -36,6 +37,11 @@ def int_array(x, name: str, ndim: int) -> np.ndarray:
         raise ValueError(f"{name} must have {ndim} dims, got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"{name} must be an integer array (int32), got {a.dtype}")
+    if a.dtype.kind == "u" and a.dtype.itemsize == 8 and a.size and a.max() > _INT64_MAX:
+        # Callers compute in int64: such a value would wrap to a negative one
+        # (2**64 - 1 to -1).
+        idx = [int(i) for i in np.unravel_index(int(np.argmax(a > _INT64_MAX)), a.shape)]
+        raise ValueError(f"{name}{idx} = {int(a[tuple(idx)])} is out of range (larger than any int64)")
     return a
 
 

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from .paths import ENV_ARTIFACTS, default_artifact_dir
+from .env import ARTIFACTS as ENV_ARTIFACTS
+from .paths import default_artifact_dir
 from .targets import TARGETS
 
 # Exceptions whose message says all there is to say: no type name needed.
@@ -36,6 +37,10 @@ class _Parser(argparse.ArgumentParser):
 
 def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def _int_at_least(text: str, minimum: int) -> int:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .cli import CliError, artifact_dir, emit_json, int_list, positive_int
+from .cli import CliError, artifact_dir, emit_json, int_list, non_negative_int, positive_int
 
 # Output rel. error bounds of `run` (tests/conftest.py explains them).
 OUT_TOL = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}
@@ -46,7 +46,7 @@ def _problem_args(sp, artifacts_option) -> None:
     sp.add_argument("--mask", default="none", choices=["none", "top_left", "bottom_right"],
                     help="a masked call is causal (window (-1, 0))")
     sp.add_argument("--num-splits", type=positive_int, default=None)
-    sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--seed", type=non_negative_int, default=None)
 
 
 def _random_problem(args, rng):

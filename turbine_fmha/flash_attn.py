@@ -9,8 +9,9 @@
   argument names and semantics.
 
 Nothing here imports torch or touches array data, except the in-call
-appends (which refuse to run traced): it runs as it is inside
-torch.compile, before the call reaches the registered op (torch_ops).
+appends: it runs as it is inside torch.compile, before the call reaches
+the registered op (torch_ops); with in-call appends the whole call goes
+to the op, which runs it eagerly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from .arrays import _is_device_array, _is_torch
 from .checks import check_int, int_array
+from .tracing import compiling
 
 
 def conventions(*, scale=None, softmax_scale=None, causal=False, window_size=None, mask_type="none",
@@ -139,21 +141,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     before the write, and q at positions cache_seqlens + i when causal or
     local (else all rows at cache_seqlens); rotary_interleaved picks
     GPT-J's pairs (flash-attn's default) or GPT-NeoX's halves. If the
-    attention then fails, the overwritten cache rows are restored. Not
-    inside torch.compile, and rotary not with cache_leftpad.
+    attention then fails, the overwritten cache rows are restored. Rotary
+    not with cache_leftpad.
     """
-    from .api import _compiling, fmha_fwd_kvcache, fmha_fwd_paged
+    from .api import fmha_fwd_kvcache, fmha_fwd_paged
 
     undo = None
-    if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
-        if _compiling():
-            raise NotImplementedError("k/v and rotary_cos/rotary_sin (in-call appends and rotary) are not "
-                                      "supported inside torch.compile: write the keys first (reshape_and_cache)")
+    appends = k is not None or v is not None or rotary_cos is not None or rotary_sin is not None
+    if appends and compiling():
+        # The appends need the tables' values: the op runs this function
+        # eagerly when the compiled code runs.
+        from . import torch_ops
+
+        return torch_ops.call_flash_attn(
+            q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            return_softmax_lse=return_softmax_lse, session=session, device=device)
+    if appends:
         local = window_size is not None and tuple(window_size) != (-1, -1)
         q, cache_seqlens, undo = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
                                          cache_leftpad, (rotary_cos, rotary_sin, rotary_interleaved),
                                          causal or local, session, device)
-    eager = not _compiling()
+    eager = not compiling()
     try:
         if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
             raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap "

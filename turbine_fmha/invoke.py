@@ -148,3 +148,24 @@ def wait_all(calls) -> Exception | None:
         except Exception as e:  # noqa: BLE001 - returned to the caller
             first = first or e
     return first
+
+
+class _HostView:
+    """Owns a DeviceArray for the numpy view of its memory: the array that
+    DeviceArray.to_host() maps does not keep the buffer alive, so a result
+    viewed after its DeviceArray died was memory the next call reused."""
+
+    def __init__(self, array):
+        host = array.to_host()
+        self.array, self.host, self.dtype = array, host, host.dtype
+        self.__array_interface__ = host.__array_interface__
+
+
+def host_array(array):
+    """The host memory of a host-visible DeviceArray (a call's result on a
+    CPU session) as a numpy array that keeps the DeviceArray alive; a
+    device-only one is copied (to_host)."""
+    import numpy as np
+
+    view = _HostView(array)
+    return np.asarray(view).view(view.dtype)

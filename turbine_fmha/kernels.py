@@ -17,7 +17,6 @@ this module.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 from iree.turbine.runtime.op_reg.base import ALL_CUSTOM_OP_REGS, EagerKernelSelection, FreeFuncKernelBuilder
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
+from . import env
 from . import signature as sig
 from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant
 
@@ -36,8 +36,7 @@ _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 def mlir_dir() -> Path:
     """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package's."""
-    env = os.environ.get("TURBINE_FMHA_MLIR_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent / "templates"
+    return env.directory(env.MLIR_DIR) or Path(__file__).resolve().parent / "templates"
 
 
 class PackageJinjaLoader(TemplateLoader):
@@ -47,8 +46,7 @@ class PackageJinjaLoader(TemplateLoader):
     def __init__(self, directory: Path | None = None):
         from jinja2 import Environment, FileSystemLoader, PackageLoader, StrictUndefined
 
-        env_dir = os.environ.get("TURBINE_FMHA_MLIR_DIR")
-        directory = directory or (Path(env_dir) if env_dir else None)
+        directory = directory or env.directory(env.MLIR_DIR)
         loader = FileSystemLoader(str(directory)) if directory else PackageLoader("turbine_fmha", "templates")
         self.env = Environment(loader=loader, undefined=StrictUndefined, keep_trailing_newline=True)
 

@@ -24,6 +24,9 @@ from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name
                      _numpy_to_torch, _TensorInfo, _to_numpy, overlapping)
 from .checks import check_int, int_array
 from .interop import run_append
+from .invoke import host_array
+from .runtime import resolve_session
+from .tracing import compiling
 from .variants import KV_LAYOUTS as LAYOUTS
 from .variants import AppendKernel
 
@@ -67,8 +70,20 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", 
 
     Returns the rotated q when q is given, else None.
     """
-    from .attention import resolve_session
+    rot = dict(q=q, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim, seqlen_k=seqlen_k,
+               seqstart=seqstart, seqstart_q=seqstart_q, rotary_interleaved=rotary_interleaved, has_mask=has_mask)
+    if compiling():  # the op runs the same function when the compiled code runs
+        from . import torch_ops
 
+        return torch_ops.call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout,
+                                                session=session, device=device, **rot)
+    return write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, session=session, device=device,
+                    **rot)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, q, rotary_cos, rotary_sin, rotary_dim,
+             rotary_interleaved, seqlen_k, seqstart, seqstart_q, has_mask, session, device):
+    """reshape_and_cache, eagerly (its op's implementation)."""
     session = resolve_session(session, getattr(session, "device", "cpu") if device is None else device)
     rot = dict(q=q, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim, seqlen_k=seqlen_k,
                seqstart=seqstart, seqstart_q=seqstart_q, rotary_interleaved=rotary_interleaved, has_mask=has_mask)
@@ -127,8 +142,10 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
     slots = int_array(slot_mapping, "slot_mapping", len(lead))
     if slots.shape != lead:
         raise ValueError(f"slot_mapping must have shape {list(lead)} (k's leading dims), got {list(slots.shape)}")
+    # Checked in the caller's dtype: a uint64 2**64 - 1 is out of range,
+    # not the -1 (skip) that a cast to int64 would make of it.
+    _check_slots(slots.reshape(-1), lead, num_pages * page)
     flat = slots.reshape(-1).astype(np.int64)
-    _check_slots(flat, lead, num_pages * page)
     kept = np.flatnonzero(flat >= 0)
     rotary = _rotary(rot, name, lead, hdim, kept, kc.dtype)
     for c, cname, others in ((kc, "k_cache", dict(v_cache=v_cache)), (vc, "v_cache", {})):
@@ -230,8 +247,9 @@ def _check_slots(flat: np.ndarray, lead: tuple, capacity: int) -> None:
     bad = (flat < -1) | (flat >= capacity)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"slot_mapping{at(i)} = {flat[i]} is neither a slot in [0, {capacity}) "
+        raise ValueError(f"slot_mapping{at(i)} = {int(flat[i])} is neither a slot in [0, {capacity}) "
                          f"(num_pages * page_block_size) nor -1 (skip)")
+    flat = flat.astype(np.int64)  # in range now: exact
     used = np.sort(flat[flat >= 0])
     dup = used[1:][used[1:] == used[:-1]]
     if dup.size:  # the scatter's rows must be unique: which write wins is undefined
@@ -361,7 +379,7 @@ def _run(session, w: _Write):
         return None
     if _is_torch(r.q) and r.q.device.type != "cpu":
         return session.to_torch(res[2])[0].reshape(r.q_shape)
-    out = res[2].to_host().reshape(r.q_shape)
+    out = host_array(res[2]).reshape(r.q_shape)
     return _numpy_to_torch(out) if _is_torch(r.q) else out
 
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ENV_ARTIFACTS = "TURBINE_FMHA_ARTIFACTS"
-ENV_CACHE = "TURBINE_FMHA_CACHE"
+from . import env
 
 
 def user_cache_root() -> Path:
@@ -29,15 +28,13 @@ def user_cache_root() -> Path:
 
 
 def default_artifact_dir() -> Path:
-    env = os.environ.get(ENV_ARTIFACTS)
-    return Path(env) if env else user_cache_root() / "artifacts"
+    return env.path(env.ARTIFACTS) or user_cache_root() / "artifacts"
 
 
 def default_cache_dir() -> Path:
     # A sibling of the artifact directory, not the root above it, so that
     # neither directory nests inside the other.
-    env = os.environ.get(ENV_CACHE)
-    return Path(env) if env else user_cache_root() / "compiled"
+    return env.path(env.CACHE) or user_cache_root() / "compiled"
 
 
 def default_compile_missing() -> bool:
@@ -46,6 +43,5 @@ def default_compile_missing() -> bool:
     build extra is installed and no manifest pin is set (a pin excludes
     compiling, see Session)."""
     from .build import missing_build_modules
-    from .runtime import ENV_MANIFEST_SHA256
 
-    return not os.environ.get(ENV_MANIFEST_SHA256) and not missing_build_modules()
+    return not env.comma_list(env.MANIFEST_SHA256) and not missing_build_modules()

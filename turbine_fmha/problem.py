@@ -92,8 +92,10 @@ def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool, kv_layout:
         raise ValueError(f"k_cache head dim {hdim_k} differs from q head dim {hdim_q} (k_cache is "
                          f"{_PAGE_DIMS[kv_layout].format('hdim')} for kv_layout={kv_layout!r})")
     hdim_v = v_cache.shape[3] if v_layout == "row" else v_cache.shape[2]
-    layout = Layout(dt, np.dtype(q.dtype), kv_fp8 or "", np.dtype(k_cache.dtype), int(nhead_q), int(nhead_k),
-                    int(hdim_q), int(hdim_v), int(page), int(num_pages), v_layout, kv_layout)
+    # Sizes as given, not int(): torch.compile's fake tensors have symbolic
+    # sizes, and int() would pin the compiled graph to these values.
+    layout = Layout(dt, np.dtype(q.dtype), kv_fp8 or "", np.dtype(k_cache.dtype), nhead_q, nhead_k, hdim_q,
+                    hdim_v, page, num_pages, v_layout, kv_layout)
     if tuple(v_cache.shape) != layout.v_shape:
         want = (_PAGE_DIMS[kv_layout].format("hdim_v") + f" (kv_layout={kv_layout!r})" if v_layout == "row"
                 else "[num_pages, nhead_k, hdim_v, page_block_size] (v_layout='col')")

@@ -25,26 +25,18 @@ from pathlib import Path
 
 from .artifacts import ArtifactError  # re-exported: defined with the artifact store
 from .interop import DeviceInterop
-from .invoke import _Loaded, wait_all
+from .invoke import _Loaded, host_array, wait_all
 from .plan_cache import PlanCache
 from .selection import VariantSelection, _problem_key
 from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
+from .tracing import untraced
 from .variants import KERNEL_ABI, AppendKernel, Variant, parse_kernel
 
-# The default directories' rule (re-exported: callers imported it from here).
-from .paths import (  # noqa: F401
-    ENV_ARTIFACTS,
-    ENV_CACHE,
-    default_artifact_dir,
-    default_cache_dir,
-    default_compile_missing,
-)
+from . import env
+from .paths import default_artifact_dir, default_cache_dir, default_compile_missing
 
-ENV_MANIFEST_SHA256 = "TURBINE_FMHA_MANIFEST_SHA256"
-# "1" keeps IREE's stream-ordered CUDA allocations (see _shared_config).
-ENV_CUDA_ASYNC_ALLOCATIONS = "TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS"
-# IREE allocator specs layered over the CUDA device's allocator, comma
-# separated ("" for none). The default pools device buffers freed by calls
+# The CUDA device's allocators ($TURBINE_FMHA_CUDA_ALLOCATORS, "" for none).
+# The default pools device buffers freed by calls
 # (results, transients) for reuse: plain CUDA allocations (which DLPack
 # needs) are a synchronous cuMemAlloc and a device-synchronizing cuMemFree
 # each, and a decode call's kernels waited for them (docs/perf-notes.md).
@@ -52,7 +44,6 @@ ENV_CUDA_ASYNC_ALLOCATIONS = "TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS"
 # each call in flight holds its own result and transient buffers, and with
 # 64 a queue of 200 decode calls released most of them with cuMemFree,
 # which waits for the device (3x slower calls on the H200).
-ENV_CUDA_ALLOCATORS = "TURBINE_FMHA_CUDA_ALLOCATORS"
 DEFAULT_CUDA_ALLOCATORS = "caching:device_local=256mib;2gib;256"
 
 
@@ -94,6 +85,7 @@ class Session(VariantSelection, DeviceInterop):
     naming the file and the field here, not at the first call.
     """
 
+    @untraced
     def __init__(
         self,
         device: str = "cpu",
@@ -138,9 +130,13 @@ class Session(VariantSelection, DeviceInterop):
         # Variants by problem (Variant.problem as a tuple), so choosing one
         # per call does not re-parse every manifest name.
         self._by_problem: dict[tuple, list[Variant]] = {}
-        if manifest_sha256 is None and os.environ.get(ENV_MANIFEST_SHA256):
-            manifest_sha256 = [d for d in os.environ[ENV_MANIFEST_SHA256].split(",") if d.strip()]
-        pins = parse_pins(manifest_sha256)
+        from_env = manifest_sha256 is None
+        if from_env:
+            manifest_sha256 = env.comma_list(env.MANIFEST_SHA256)
+        try:
+            pins = parse_pins(manifest_sha256)
+        except ValueError as e:
+            raise ValueError(f"${env.MANIFEST_SHA256}: {e}" if from_env else str(e)) from None
         if pins is not None and compile_missing:
             raise ValueError("manifest_sha256 cannot be combined with compile_missing: variants compiled "
                              "into cache_dir would load outside the pinned manifest")
@@ -294,9 +290,8 @@ class Session(VariantSelection, DeviceInterop):
             return res
         # Only the results asked for are copied (a copy back from a GPU
         # costs ~0.2 ms however small).
-        return [tuple(r.to_host() for r in one) for one in res]
+        return [tuple(host_array(r) for r in one) for one in res]
 
-ENV_CPU_THREADS = "TURBINE_FMHA_CPU_THREADS"
 # Worker threads of Session.submit (calls in flight at once per session).
 ASYNC_WORKERS = 4
 _TOPOLOGY_SET = False
@@ -318,9 +313,9 @@ def _set_cpu_topology_once() -> None:
 
 
 def cpu_threads() -> int:
-    env = os.environ.get(ENV_CPU_THREADS)
-    if env:
-        return max(1, int(env))
+    given = env.positive_int(env.CPU_THREADS)
+    if given is not None:
+        return given
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
@@ -351,21 +346,25 @@ def _shared_config(driver: str):
 
             if driver == "local-task":
                 _set_cpu_topology_once()
-            if driver == "cuda" and os.environ.get(ENV_CUDA_ASYNC_ALLOCATIONS, "0") != "1":
+            if driver == "cuda" and not env.switch(env.CUDA_ASYNC_ALLOCATIONS):
                 # Plain allocations for results: torch can then take them
                 # zero-copy (DLPack refuses stream-ordered ones), which cut
                 # 0.3 ms from a decode call on the H200 (docs/benchmarks.md).
                 # Process-wide, like every IREE flag: it applies to CUDA
                 # devices created after it.
                 rt.flags.parse_flags("--cuda_async_allocations=false")
-            specs = os.environ.get(ENV_CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATORS) if driver == "cuda" else ""
+            specs = os.environ.get(env.CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATORS) if driver == "cuda" else ""
             specs = [s for s in specs.split(",") if s]
+            try:
+                hal_driver = rt.get_driver(driver)
+            except (RuntimeError, ValueError) as e:
+                raise RuntimeError(f"cannot open IREE's {driver} driver: {e}") from e
             if specs:
                 try:
-                    device = rt.get_driver(driver).create_device_by_uri(driver, allocators=specs)
+                    device = hal_driver.create_device_by_uri(driver, allocators=specs)
                 except (RuntimeError, ValueError) as e:
                     raise RuntimeError(f"cannot create the {driver} device with allocators {specs} "
-                                       f"(${ENV_CUDA_ALLOCATORS}): {e}") from e
+                                       f"(${env.CUDA_ALLOCATORS}): {e}") from e
                 config = _CONFIGS[driver] = rt.Config(device=device)
             else:
                 config = _CONFIGS[driver] = rt.Config(driver)

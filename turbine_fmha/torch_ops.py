@@ -1,28 +1,32 @@
-"""`torch.ops.turbine_fmha`: the attention as torch custom ops, so that a
-module calling it compiles under `torch.compile(fullgraph=True)`.
+"""`torch.ops.turbine_fmha`: the attention and the KV writes as torch
+custom ops, so that a module calling them compiles under
+`torch.compile(fullgraph=True)`.
 
     fmha_fwd_paged(q, k_cache, v_cache, block_table, seqlen_k, seqstart_q, kv_offset,
                    alibi_slopes, bias, sinks, *, <scalars>) -> (out, lse)
     fmha_fwd_paged_out(q, k_cache, v_cache, block_table, seqlen_k, out, ...) -> lse
     fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, cache_batch_idx, seqstart_q, ...) -> (out, lse)
     fmha_fwd_kvcache_out(q, k_cache, v_cache, seqlen_k, out, cache_batch_idx, ...) -> lse
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, q, rotary_cos, ...) -> q rotated
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, ...) -> (out, lse)
 
-The scalars are fmha_fwd_paged's keyword arguments that are not arrays
-(`_SCALARS`; the schemas are made from these tables), plus `session`, an
-int handle (`session_handle`: the Session's id, 0 for the default
-session of `device`): a Session cannot cross an op schema. The `_out`
-forms write `out` in place (mutates_args). The ops are opaque to dynamo:
-their implementations are the eager fmha_fwd_paged / fmha_fwd_kvcache,
-and their fake implementations give the results' shapes from the Layout
-of the Problem code (`result_shapes`). The public functions route
-through them while torch.compile traces (api._compiling), so one call
-works compiled and eager.
+The scalars are the public functions' keyword arguments that are not
+arrays (the `_SCALARS` tables; the schemas are made from them), plus
+`session`, an int handle (`session_handle`: the Session's id, 0 for the
+default session of `device`): a Session cannot cross an op schema. The
+`_out` forms write `out` in place, and the KV writes the caches
+(mutates_args). The ops are opaque to dynamo: their implementations are
+the eager functions, and their fake implementations give the results'
+shapes (for the attention from the Layout of the Problem code,
+`result_shapes`). The public functions route through them while
+torch.compile traces (tracing.compiling), so one call works compiled and
+eager, and every check of the eager call runs when the op runs: its
+errors keep their types under fullgraph=True too.
 
-The kernels have no backward: tensors that require grad are refused by
-name while grad mode is on (`check_no_grad`), never silently detached.
-Importing this module imports torch and torch._dynamo (about a second, once)
-and registers the ops; eager calls import it only to refuse a tensor that
-requires grad.
+The kernels have no backward: every op refuses a tensor that requires grad
+while grad mode is on, by name and before anything runs (`_refusing_grad`),
+never silently detaching it. Importing this module imports torch and
+torch._dynamo (about a second, once) and registers the ops.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import itertools
 
 import torch
 
-from . import api
+from . import api, flash_attn, kv_write
 from .arrays import _torch_np_dtype
 from .flash_attn import conventions
 from .problem import layout_of_arrays
 from .runtime import LIVE_SESSIONS, Session
+from .tracing import check_no_grad
 
 _TENSORS = {"paged": ("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
             "kvcache": ("q", "k_cache", "v_cache", "seqlen_k")}
@@ -51,36 +56,44 @@ _SCALARS = (
     ("out_scale", "float?", None), ("num_splits", "int?", None), ("kv_rows_finite", "bool?", None),
     ("device", "str", "cpu"), ("session", "int", 0),
 )
-_DEFAULTS = {name: default for name, _, default in _SCALARS}
 # Window sides and sink counts past every key all mean "every key" (mask.py
 # clamps them); an op's int is 64-bit, so larger ones are clamped here.
 _INT_MAX = 1 << 62
 
 
+def _op_schema(required: tuple, optional: tuple, scalars: tuple, returns: str, mutated: tuple = ()) -> str:
+    """A schema: the tensors positional (custom ops take no keyword-only
+    tensors), the optional ones defaulting to None, then the scalars."""
+    alias = {n: f"({chr(ord('a') + i)}!)" for i, n in enumerate(mutated)}
+    tensors = [f"Tensor{alias.get(n, '')} {n}" for n in required] + [f"Tensor? {n}=None" for n in optional]
+    values = [f"{t} {n}=" + ("None" if d is None else f'"{d}"' if isinstance(d, str) else repr(d))
+              for n, t, d in scalars]
+    return f"({', '.join(tensors)}, *, {', '.join(values)}) -> {returns}"
+
+
+def _named(names: tuple, scalars: tuple, args: tuple, kwargs: dict) -> dict:
+    """An op call's arguments by name, defaults filled in (the dispatcher
+    leaves out keyword arguments at their defaults)."""
+    kw = dict.fromkeys(names)
+    kw.update((n, d) for n, _, d in scalars)
+    kw.update(zip(names, args))
+    kw.update(kwargs)
+    return kw
+
+
 def _positional(kind: str, out_form: bool) -> tuple:
-    """The ops' tensor arguments in schema order (tensors cannot be
-    keyword-only in a custom op)."""
+    """The attention ops' tensor arguments in schema order."""
     return _TENSORS[kind] + (("out",) if out_form else ()) + _OPTIONAL[kind] + _OPTIONAL_BOTH
 
 
 def _schema(kind: str, out_form: bool) -> str:
-    required = _TENSORS[kind] + (("out",) if out_form else ())
-    tensors = [f"Tensor(a!) {n}" if n == "out" else f"Tensor {n}" for n in required]
-    tensors += [f"Tensor? {n}=None" for n in _OPTIONAL[kind] + _OPTIONAL_BOTH]
-    scalars = [f"{t} {n}=" + ("None" if d is None else f'"{d}"' if isinstance(d, str) else repr(d))
-               for n, t, d in _SCALARS]
-    return f"({', '.join(tensors)}, *, {', '.join(scalars)}) -> " + ("Tensor" if out_form else "(Tensor, Tensor)")
+    out = ("out",) if out_form else ()
+    return _op_schema(_TENSORS[kind] + out, _OPTIONAL[kind] + _OPTIONAL_BOTH, _SCALARS,
+                      "Tensor" if out_form else "(Tensor, Tensor)", mutated=out)
 
 
 def _arguments(kind: str, out_form: bool, args: tuple, kwargs: dict) -> dict:
-    """An op call's arguments by name, defaults filled in (the dispatcher
-    leaves out keyword arguments at their defaults)."""
-    names = _positional(kind, out_form)
-    kw = dict.fromkeys(names)
-    kw.update(_DEFAULTS)
-    kw.update(zip(names, args))
-    kw.update(kwargs)
-    return kw
+    return _named(_positional(kind, out_form), _SCALARS, args, kwargs)
 
 
 def _impl(kind: str, out_form: bool):
@@ -125,34 +138,128 @@ def result_shapes(q, k_cache, v_cache, *, v_layout: str = "row", kv_layout: str 
     return layout.result_shapes(q.shape, group)
 
 
-def _refuse_grad(kind: str):
-    """setup_context of the functional ops: torch calls it, after the
-    kernels, only when grad mode is on and an input requires grad. The
-    public functions refuse such inputs before any work; this catches
-    direct op calls, which would otherwise return outputs whose backward
-    fails later. (torch allows no autograd formula on the mutating _out
-    ops: a direct call of those gets torch's error at backward.)"""
-    names = _positional(kind, False)
-
-    def setup_context(ctx, inputs, keyword_only_inputs, output):
-        check_no_grad(dict(zip(names, inputs)), grad_mode=True)
-
-    return setup_context
-
-
-def _no_backward(ctx, *grads):  # pragma: no cover - setup_context refuses first
-    raise NotImplementedError("turbine_fmha's attention has no backward")
-
-
 _OPS = {}
 for _kind, _out_form in itertools.product(("paged", "kvcache"), (False, True)):
     _op = torch.library.custom_op(f"turbine_fmha::fmha_fwd_{_kind}" + ("_out" if _out_form else ""),
                                   _impl(_kind, _out_form), mutates_args=("out",) if _out_form else (),
                                   schema=_schema(_kind, _out_form))
     _op.register_fake(_fake(_kind, _out_form))
-    if not _out_form:
-        _op.register_autograd(_no_backward, setup_context=_refuse_grad(_kind))
     _OPS[_kind, _out_form] = _op
+
+
+# -- KV writes -------------------------------------------------------------
+
+_WRITE_TENSORS = ("k", "v", "k_cache", "v_cache", "slot_mapping")
+_WRITE_OPTIONAL = ("q", "rotary_cos", "rotary_sin", "seqlen_k", "seqstart", "seqstart_q")
+_WRITE_SCALARS = (
+    ("kv_layout", "str", "NHD"), ("rotary_dim", "int?", None), ("rotary_interleaved", "bool", False),
+    ("has_mask", "bool", False), ("device", "str?", None), ("session", "int", 0),
+)
+
+
+def _write_impl(*args, **kwargs):
+    kw = _named(_WRITE_TENSORS + _WRITE_OPTIONAL, _WRITE_SCALARS, args, kwargs)
+    kw["session"] = _session(kw["session"])
+    rotated = kv_write.write_kv(**kw)
+    # An op returns a tensor: q rotated, or an empty one without q.
+    return kw["k"].new_empty(0) if rotated is None else rotated.contiguous()
+
+
+def _write_fake(*args, **kwargs):
+    kw = _named(_WRITE_TENSORS + _WRITE_OPTIONAL, _WRITE_SCALARS, args, kwargs)
+    return kw["k"].new_empty(0) if kw["q"] is None else kw["q"].new_empty(kw["q"].shape)
+
+
+_WRITE_OP = torch.library.custom_op(
+    "turbine_fmha::reshape_and_cache", _write_impl, mutates_args=("k_cache", "v_cache"),
+    schema=_op_schema(_WRITE_TENSORS, _WRITE_OPTIONAL, _WRITE_SCALARS, "Tensor", mutated=("k_cache", "v_cache")))
+_WRITE_OP.register_fake(_write_fake)
+
+
+def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, session=None, **kw):
+    """reshape_and_cache through its op: its route while torch.compile
+    traces it. Returns q rotated, or None without q."""
+    tensors = dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                   **{n: kw.pop(n, None) for n in _WRITE_OPTIONAL})
+    _torch_tensors_only(tensors)
+    rotated = _WRITE_OP(**tensors, **kw, session=session_handle(session))
+    return None if tensors["q"] is None else rotated
+
+
+# -- flash-attn's in-call appends ------------------------------------------
+
+_FLASH_TENSORS = ("q", "k_cache", "v_cache")
+_FLASH_OPTIONAL = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                   "block_table", "alibi_slopes")
+_FLASH_SCALARS = (
+    ("softmax_scale", "float?", None), ("causal", "bool", False), ("window_size_left", "int", -1),
+    ("window_size_right", "int", -1), ("softcap", "float", 0.0), ("rotary_interleaved", "bool", True),
+    ("num_splits", "int", 0), ("device", "str", "cpu"), ("session", "int", 0),
+)
+
+
+def _flash_impl(*args, **kwargs):
+    kw = _named(_FLASH_TENSORS + _FLASH_OPTIONAL, _FLASH_SCALARS, args, kwargs)
+    kw["session"] = _session(kw["session"])
+    kw["window_size"] = (kw.pop("window_size_left"), kw.pop("window_size_right"))
+    out, lse = flash_attn.flash_attn_with_kvcache(**kw, return_softmax_lse=True)
+    return out.contiguous(), lse.contiguous()
+
+
+def _flash_fake(*args, **kwargs):
+    kw = _named(_FLASH_TENSORS + _FLASH_OPTIONAL, _FLASH_SCALARS, args, kwargs)
+    q = kw["q"]
+    batch, rows, heads = q.shape[:3]
+    return q.new_empty((batch, rows, heads, kw["v_cache"].shape[-1])), \
+        q.new_empty((batch, heads, rows), dtype=torch.float32)
+
+
+_FLASH_OP = torch.library.custom_op(
+    "turbine_fmha::flash_attn_with_kvcache", _flash_impl, mutates_args=("k_cache", "v_cache"),
+    schema=_op_schema(_FLASH_TENSORS, _FLASH_OPTIONAL, _FLASH_SCALARS, "(Tensor, Tensor)",
+                      mutated=("k_cache", "v_cache")))
+_FLASH_OP.register_fake(_flash_fake)
+
+
+def call_flash_attn(q, k_cache, v_cache, *, window_size, return_softmax_lse, session=None, **kw):
+    """flash_attn_with_kvcache with in-call appends through its op: its
+    route while torch.compile traces it (the appends need the tables'
+    values, which only the op's eager run has)."""
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, **{n: kw.pop(n, None) for n in _FLASH_OPTIONAL})
+    if isinstance(tensors["cache_seqlens"], int):
+        tensors["cache_seqlens"] = torch.full((q.shape[0],), tensors["cache_seqlens"], dtype=torch.int64)
+    _torch_tensors_only(tensors)
+    left, right = (-1, -1) if window_size is None else window_size
+    out, lse = _FLASH_OP(**tensors, **kw, window_size_left=left, window_size_right=right,
+                         session=session_handle(session))
+    return (out, lse) if return_softmax_lse else out
+
+
+# -- no backward -------------------------------------------------------------
+
+def _refusing_grad(op, names: tuple):
+    """The ops' autograd kernel: an input that requires grad while grad
+    mode is on is refused by name before anything runs (an _out op would
+    have written out, and the outputs' backward would fail later);
+    otherwise the call goes on below autograd, its results needing none."""
+
+    def kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            check_no_grad(dict(zip(names, args)), grad_mode=True)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    return kernel
+
+
+# Replaces torch.library.custom_op's own autograd kernel, which cannot be
+# given a formula for mutating ops and runs them with grad mode off.
+_AUTOGRAD = torch.library.Library("turbine_fmha", "IMPL")
+for (_kind, _out_form), _op in _OPS.items():
+    _AUTOGRAD.impl(_op._name, _refusing_grad(_op._opoverload, _positional(_kind, _out_form)),
+                   "Autograd", with_keyset=True)
+for _op, _names in ((_WRITE_OP, _WRITE_TENSORS + _WRITE_OPTIONAL), (_FLASH_OP, _FLASH_TENSORS + _FLASH_OPTIONAL)):
+    _AUTOGRAD.impl(_op._name, _refusing_grad(_op._opoverload, _names), "Autograd", with_keyset=True)
+
 
 def session_handle(session) -> int:
     """The int that stands for `session` in an op call: 0 for None (the
@@ -180,18 +287,6 @@ def _session(handle: int) -> Session | None:
     return session
 
 
-def check_no_grad(arrays: dict, *, grad_mode: bool | None = None) -> None:
-    """The kernels have no backward: a tensor that requires grad, while
-    grad mode (default: torch's current one) is on, is an error naming it
-    rather than a result silently cut from the autograd graph."""
-    if not (torch.is_grad_enabled() if grad_mode is None else grad_mode):
-        return
-    for name, a in arrays.items():
-        if isinstance(a, torch.Tensor) and a.requires_grad:
-            raise ValueError(f"{name} requires grad, but turbine_fmha's attention is forward-only (no backward): "
-                             f"call it under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
-
-
 def call_op(kind: str, *, q, k_cache, v_cache, seqlen_k, block_table=None, cache_batch_idx=None, out=None,
             return_lse=False, session=None, device="cpu", scale=None, softmax_scale=None, causal=False,
             window_size=None, mask_type="none", window_size_left=-1, window_size_right=-1, **rest):
@@ -206,10 +301,7 @@ def call_op(kind: str, *, q, k_cache, v_cache, seqlen_k, block_table=None, cache
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k, block_table=block_table,
                  cache_batch_idx=cache_batch_idx, **{n: kw.pop(n, None) for n in _OPTIONAL_BOTH})
     tensors = {n: given[n] for n in _positional(kind, False)}
-    for name, t in dict(tensors, out=out).items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor in a torch.compile'd call (numpy arrays and IREE "
-                            f"DeviceArrays are for eager calls), got {type(t).__name__}")
+    _torch_tensors_only(dict(tensors, out=out))
     check_no_grad(dict(tensors, out=out))
     for name in ("window_size_left", "window_size_right", "sink_size"):
         if isinstance(kw.get(name), int) and kw[name] > _INT_MAX:
@@ -220,3 +312,10 @@ def call_op(kind: str, *, q, k_cache, v_cache, seqlen_k, block_table=None, cache
     else:
         lse = _OPS[kind, True](**tensors, out=out, **kw)
     return (out, lse) if return_lse else out
+
+
+def _torch_tensors_only(arrays: dict) -> None:
+    for name, t in arrays.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor in a torch.compile'd call (numpy arrays and IREE "
+                            f"DeviceArrays are for eager calls), got {type(t).__name__}")

@@ -1,0 +1,59 @@
+"""Where torch.compile's tracing stops.
+
+Host machinery (loading and compiling kernels, numpy planning, IREE calls)
+must never be traced by dynamo: it would try to trace pybind objects,
+frozen dataclasses and the compiler. The array-level entry points route to
+`torch.ops.turbine_fmha` while tracing (torch_ops), so they work under
+`fullgraph=True`; the stateful ones (sessions, plans, cache pools) are
+`untraced`: a compiled function breaks its graph there and runs them
+eagerly, exactly as an eager call would.
+
+Nothing here imports torch: a caller without torch is never traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+
+def compiling() -> bool:
+    """Whether torch.compile traces the current call."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
+def untraced(fn):
+    """`fn`, run eagerly when called from code that torch.compile traces
+    (a graph break there). Under `fullgraph=True` dynamo refuses such a
+    call ("Attempted to call function marked as skipped")."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if compiling():
+            return sys.modules["torch"].compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def untraced_methods(cls):
+    """`cls` with its constructor and public methods `untraced`."""
+    for name, member in list(vars(cls).items()):
+        if isinstance(member, types.FunctionType) and (name == "__init__" or not name.startswith("_")):
+            setattr(cls, name, untraced(member))
+    return cls
+
+
+def check_no_grad(arrays: dict, *, grad_mode: bool | None = None) -> None:
+    """The kernels have no backward: a tensor that requires grad, while
+    grad mode (default: torch's current one) is on, is an error naming it
+    rather than a result silently cut from the autograd graph."""
+    torch = sys.modules.get("torch")
+    if torch is None or not (torch.is_grad_enabled() if grad_mode is None else grad_mode):
+        return
+    for name, a in arrays.items():
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            raise ValueError(f"{name} requires grad, but turbine_fmha's attention is forward-only (no backward): "
+                             f"call it under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
