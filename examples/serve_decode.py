@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 TOL = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}  # as in tests/conftest.py
 

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.arrays import _is_torch, _Results  # noqa: E402
-from turbine_fmha.cache import aligned_zeros  # noqa: E402
+from turbine_fmha.core.arrays import _is_torch, _Results  # noqa: E402
+from turbine_fmha.api.cache import aligned_zeros  # noqa: E402
 
 
 def main() -> int:

@@ -45,13 +45,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.arrays import _bf16, aligned_empty  # noqa: E402
-from turbine_fmha.artifacts import ArtifactError  # noqa: E402
-from turbine_fmha import plan as tf_plan  # noqa: E402
-from turbine_fmha.mask import MaskSpec  # noqa: E402
-from turbine_fmha.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv  # noqa: E402
-from turbine_fmha.variants import KV_LAYOUTS, Variant, bias_shape_of, online_variant  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.core.arrays import _bf16, aligned_empty  # noqa: E402
+from turbine_fmha.build.artifacts import ArtifactError  # noqa: E402
+from turbine_fmha.calls import plan as tf_plan  # noqa: E402
+from turbine_fmha.calls.mask import MaskSpec  # noqa: E402
+from turbine_fmha.calls.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv  # noqa: E402
+from turbine_fmha.kernels.variants import KV_LAYOUTS, Variant, bias_shape_of, online_variant  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPES = {
     "cpu": [
@@ -284,7 +284,7 @@ def bench_planned(session, shape, inputs, dtype, repeat, kw):
     if session.device == "cuda":
         import torch
 
-        from turbine_fmha.arrays import _numpy_to_torch
+        from turbine_fmha.core.arrays import _numpy_to_torch
 
         q, kc, vc = (_numpy_to_torch(a).to("cuda:0") for a in (q, kc, vc))
         sync = torch.cuda.synchronize
@@ -353,7 +353,7 @@ def bench_block_skipping(session, rng, dtype, repeat):
                    ("64-row chunks", dict(chunk=64)),
                    ("128-row chunks", dict(chunk=128)), ("256-row chunks", dict(chunk=256))]
     else:
-        from turbine_fmha.variants import GPU_PREFILL_TILES
+        from turbine_fmha.kernels.variants import GPU_PREFILL_TILES
 
         extra = tuple((1, int(t)) for t in os.environ.get("BENCH_PREFILL_TILES", "").split(",") if t)
         configs = [(f"tile b{bt} q{mq}", dict(tiles=(bt, mq))) for bt, mq in sorted(set(GPU_PREFILL_TILES + extra))]
@@ -403,7 +403,7 @@ def bench_features(session, rng, dtype, repeat):
 
 def feature_variant_names(device):
     """The variants --features needs (for building the CUDA set)."""
-    from turbine_fmha.variants import GPU_DECODE_TILES, GPU_PREFILL_TILES
+    from turbine_fmha.kernels.variants import GPU_DECODE_TILES, GPU_PREFILL_TILES
 
     rng = np.random.default_rng(0)
     names = set()

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from turbine_fmha.cli import main  # noqa: E402
+from turbine_fmha.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["build", *sys.argv[1:]]))

@@ -42,8 +42,8 @@ def name_of(bt: int, page: int = PAGE) -> str:
 
 
 def base_mlir(bt: int = B, page: int = PAGE) -> str:
-    from turbine_fmha import kernels
-    from turbine_fmha.variants import parse_kernel
+    from turbine_fmha.kernels import custom_ops as kernels
+    from turbine_fmha.kernels.variants import parse_kernel
 
     return kernels.render_variant(parse_kernel(name_of(bt, page)))
 
@@ -140,7 +140,7 @@ def _parse_tag(tag: str) -> tuple[int, int]:
 
 
 def build(out: Path, target: str = "cuda", only: str | None = None) -> None:
-    from turbine_fmha import compiler, targets, tuning
+    from turbine_fmha.build import compiler, targets, tuning
 
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
@@ -223,7 +223,7 @@ def run(out: Path, repeat: int, rounds: int, target: str = "cuda", profile=()) -
     import iree.runtime as rt
 
     import turbine_fmha
-    from turbine_fmha.invoke import _Loaded
+    from turbine_fmha.runtime.invoke import _Loaded
 
     session = turbine_fmha.Session("cpu" if target == "host" else target, artifact_dir="/nonexistent-decode-search")
     cfg, dev = session._iree_config(), session.device_of()

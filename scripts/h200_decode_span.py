@@ -82,7 +82,7 @@ def main() -> int:
 
     import turbine_fmha
     from h200_dispatch_profile import decode_problem
-    from turbine_fmha.arrays import _Results
+    from turbine_fmha.core.arrays import _Results
 
     for f in args.flag:
         rt.flags.parse_flags(f)
@@ -159,7 +159,7 @@ def _prefill(session, rng, rounds: int, calls: int = 10) -> None:
     its kernel calls queued chained (each waiting for the one before) and
     unchained, back to back."""
     from h200_dispatch_profile import prefill_problem
-    from turbine_fmha.arrays import _Results
+    from turbine_fmha.core.arrays import _Results
 
     rows = 4096
     attn, q, k, v = prefill_problem(session, rng, rows, PAGE)

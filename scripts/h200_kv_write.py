@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 PAGES, PAGE, HK, D, TOKENS = 64, 16, 8, 128, 40
 # f32 rotation then one rounding to the cache dtype (tests/test_kv_write.py).

@@ -16,8 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.cache import aligned_zeros  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.api.cache import aligned_zeros  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 # The variants it needs (build with turbine-fmha build --targets cuda --variants ...).
 VARIANTS = [

@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.arrays import np_dtype  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.core.arrays import np_dtype  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 # Output and LSE error bounds (tests/conftest.py says why).
 OUT_TOL = {"f16": 5e-3, "bf16": 2e-2}

@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import turbine_fmha
-    from turbine_fmha.reference import fmha_fwd_paged_ref
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(0)

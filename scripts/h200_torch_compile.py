@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.flash_attn import flash_attn_with_kvcache  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha import flash_attn_with_kvcache  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 # f16 output: a few ulps of |out| <= max|V| plus f32 accumulation; LSE: the
 # online formulation's scores carry one f16 rounding (|s| <~ 5 here).

@@ -18,14 +18,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import iree.runtime as rt  # noqa: E402
 
-from turbine_fmha.invoke import _Loaded  # noqa: E402
+from turbine_fmha.runtime.invoke import _Loaded  # noqa: E402
 
 import bench  # noqa: E402
 from bench import HQ, PAGE, SHAPES, make_inputs, median_ms  # noqa: E402
-from turbine_fmha.mask import MaskSpec  # noqa: E402
-from turbine_fmha.plan import KernelCall, kernel_steps  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
-from turbine_fmha.variants import Variant  # noqa: E402
+from turbine_fmha.calls.mask import MaskSpec  # noqa: E402
+from turbine_fmha.calls.plan import KernelCall, kernel_steps  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.kernels.variants import Variant  # noqa: E402
 
 
 def main() -> int:

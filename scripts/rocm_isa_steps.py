@@ -56,8 +56,9 @@ def main() -> int:
 
     import roof
 
-    from turbine_fmha import compiler, kernels, targets
-    from turbine_fmha.variants import parse_kernel
+    from turbine_fmha.build import compiler, targets
+    from turbine_fmha.kernels import custom_ops as kernels
+    from turbine_fmha.kernels.variants import parse_kernel
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -109,7 +109,7 @@ ROOFS = {"iree": mlir, "online_full": lambda: online_mlir(False), "online_causal
 def build(out: Path) -> None:
     """IREE's own configuration (turbine_fmha.tuning edits online_attention
     only; measured here, it left this module unchanged)."""
-    from turbine_fmha import compiler, targets
+    from turbine_fmha.build import compiler, targets
 
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
@@ -125,7 +125,7 @@ def run(out: Path, repeat: int) -> None:
     import iree.runtime as rt
 
     import turbine_fmha
-    from turbine_fmha.invoke import _Loaded
+    from turbine_fmha.runtime.invoke import _Loaded
 
     session = turbine_fmha.Session("cuda", artifact_dir="/nonexistent-roof")
     cfg, dev = session._iree_config(), session.device_of()

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.arrays import _Results  # noqa: E402
+from turbine_fmha.core.arrays import _Results  # noqa: E402
 
 
 def timed(fn, calls: int, sync=None) -> float:
@@ -79,7 +79,7 @@ def main() -> int:
         r[f"run() #{rep}"] = timed(lambda: attn.run(q, k, v), args.calls, sync)
         r[f"kernel alone #{rep}"] = timed(lambda: loaded.invoke(fargs, 2), args.calls)
     if host_merge:
-        from turbine_fmha.plan import combine_splits
+        from turbine_fmha.calls.plan import combine_splits
 
         n = b * plan.splits
         parts = [torch.randn((n, 1, hq, d), device="cuda").half()] + [torch.rand((n, hq, 1), device="cuda")

@@ -29,8 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha  # noqa: E402
-from turbine_fmha import invoke  # noqa: E402
-from turbine_fmha.arrays import aligned_empty  # noqa: E402
+from turbine_fmha.runtime import invoke  # noqa: E402
+from turbine_fmha.core.arrays import aligned_empty  # noqa: E402
 
 _marks: list[float] = []
 

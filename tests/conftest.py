@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import turbine_fmha
-from turbine_fmha.arrays import np_dtype  # noqa: F401 (tests import it from here)
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.core.arrays import np_dtype  # noqa: F401 (tests import it from here)
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 CACHE = Path(os.environ.get("TURBINE_FMHA_TEST_CACHE", Path(__file__).resolve().parent.parent / "build" / "test-cache"))
 

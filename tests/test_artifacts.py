@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 
 import turbine_fmha
-from turbine_fmha import build as tfb
-from turbine_fmha.runtime import runtime_version
-from turbine_fmha.variants import KERNEL_ABI, AppendKernel, Variant
+from turbine_fmha.build import aot as tfb
+from turbine_fmha.runtime.session import runtime_version
+from turbine_fmha.kernels.signature import KERNEL_ABI
+from turbine_fmha.kernels.append_kernel import AppendKernel
+from turbine_fmha.kernels.variants import Variant
 
 A1 = AppendKernel("f32", 1, 8, 8, 16)
 A2 = AppendKernel("f16", 1, 16, 16, 16)
@@ -37,9 +39,9 @@ SLOW = Variant("f16", 128, 128, 32, 8, 16, "bottom_right")
 BUILDER = textwrap.dedent("""
     import dataclasses, os, sys, time
     from pathlib import Path
-    from turbine_fmha import build, targets
-    from turbine_fmha.variants import parse_kernel
-    import turbine_fmha.kernels  # the slow import (torch), before "ready"
+    from turbine_fmha.build import aot as build, targets
+    from turbine_fmha.kernels.variants import parse_kernel
+    import turbine_fmha.kernels.custom_ops  # the slow import (torch), before "ready"
     out, names, cpu, go = sys.argv[1], sys.argv[2].split(","), sys.argv[3], sys.argv[4]
     if cpu != "host":
         t = targets.TARGETS["host"]
@@ -402,7 +404,7 @@ def test_pinned_manifest_digest(umask_builds, tmp_path, monkeypatch):
 
 
 def test_cli_build_prints_the_manifest_digest(umask_builds, tmp_path, capsys):
-    from turbine_fmha.cli import main
+    from turbine_fmha.cli.main import main
 
     d = tmp_path / "a"
     shutil.copytree(umask_builds[0], d)

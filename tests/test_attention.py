@@ -15,8 +15,8 @@ import pytest
 import turbine_fmha
 from conftest import LSE_TOL, OUT_TOL, make_problem
 from test_validation import _TrapSession
-from turbine_fmha.cache import aligned_zeros
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 def _check(out, lse, ref, ref_lse, dtype):

@@ -12,8 +12,10 @@ import pytest
 
 import turbine_fmha
 from conftest import CACHE, make_problem, run_and_check
-from turbine_fmha import build as tfb
-from turbine_fmha.variants import AppendKernel, Variant, default_append_kernels, gpu_default_set, host_default_set
+from turbine_fmha.build import aot as tfb
+from turbine_fmha.kernels.append_kernel import AppendKernel
+from turbine_fmha.kernels.variants import Variant
+from turbine_fmha.build.default_sets import default_append_kernels, gpu_default_set, host_default_set
 
 SMALL = [
     Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
@@ -244,7 +246,7 @@ def test_artifacts_of_another_kernel_abi_are_not_loaded(built, tmp_path, rng):
 def test_tuning_untiles_the_attention_head_dim():
     """turbine_fmha.tuning edits the workgroup tile of the output head dim
     (in V's and the output's maps, not in Q's) and nothing else."""
-    from turbine_fmha.tuning import untile_head_dim
+    from turbine_fmha.build.tuning import untile_head_dim
 
     maps = ", ".join(
         f"affine_map<(d0, d1, d2, d3, d4) -> ({r})>"
@@ -262,7 +264,7 @@ def test_tuning_untiles_the_attention_head_dim():
 
 
 def test_append_kernel_names_roundtrip():
-    from turbine_fmha.variants import parse_kernel
+    from turbine_fmha.kernels.variants import parse_kernel
 
     for a in default_append_kernels(gpu=True) + default_append_kernels(gpu=False):
         assert parse_kernel(a.name) == a == AppendKernel.parse(a.name)

@@ -13,8 +13,8 @@ import pytest
 
 import turbine_fmha
 from test_modes import _check
-from turbine_fmha.cache import CacheFullError, PagedKVCache
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.api.cache import CacheFullError, PagedKVCache
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 HK, D = 2, 16
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import CACHE
-from turbine_fmha.cli import main
-from turbine_fmha.variants import KERNEL_ABI
+from turbine_fmha.cli.main import main
+from turbine_fmha.kernels.signature import KERNEL_ABI
 
 SHAPE = ["--nhead-q", "4", "--nhead-k", "2", "--hdim", "64", "--page", "16"]
 
@@ -62,9 +62,9 @@ def test_bench_decode_gbs_prefill_tflops_with_baseline(small, capsys):
 def test_bench_baseline_computes_the_same_attention():
     """The baseline is only a baseline if it computes what turbine-fmha
     does: the reference's output, masks and ragged lengths included."""
-    from turbine_fmha.cli import parser
-    from turbine_fmha.cli_run import _random_problem, torch_gather_sdpa
-    from turbine_fmha.reference import fmha_fwd_paged_ref
+    from turbine_fmha.cli.main import parser
+    from turbine_fmha.cli.problem import _random_problem, torch_gather_sdpa
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     for mask, sq in (("none", 1), ("bottom_right", 5), ("top_left", 5)):
         args = parser().parse_args(["bench", *SHAPE, "--dtype", "f32", "--batch", "3", "--seqlen-q", str(sq),
@@ -139,7 +139,7 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
 def test_piped_into_a_closed_reader_exits_quietly(tmp_path):
     """`turbine-fmha list | head`: the reader has gone when the output comes."""
     d, _ = _manifest_dir(tmp_path)
-    code = "import sys; from turbine_fmha.cli import main; sys.exit(main())"
+    code = "import sys; from turbine_fmha.cli.main import main; sys.exit(main())"
     p = subprocess.Popen([sys.executable, "-c", code, "list", "--artifacts", str(d)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()  # before the child has imported anything, let alone written
@@ -157,8 +157,9 @@ def test_version(capsys):
 def test_build_model_config_builds_the_model_set(tmp_path, monkeypatch, capsys):
     """--model-config: each target gets model_variants of the config's
     shape, flags win over the config, with the progress bar."""
-    import turbine_fmha.build as tfb
-    from turbine_fmha.model_set import ModelShape, model_variants
+    import turbine_fmha.build.aot as tfb
+    import turbine_fmha.build.artifacts as artifacts
+    from turbine_fmha.build.model_set import ModelShape, model_variants
 
     seen = {}
 
@@ -167,7 +168,7 @@ def test_build_model_config_builds_the_model_set(tmp_path, monkeypatch, capsys):
         return []
 
     monkeypatch.setattr(tfb, "build", fake_build)
-    monkeypatch.setattr(tfb, "manifest_digest", lambda out: "0" * 64)
+    monkeypatch.setattr(artifacts, "manifest_digest", lambda out: "0" * 64)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=768,
                                    torch_dtype="bfloat16")))
@@ -188,7 +189,7 @@ def test_build_model_config_builds_the_model_set(tmp_path, monkeypatch, capsys):
 def test_build_progress_bar_redraws_one_line_on_a_terminal():
     import io
 
-    from turbine_fmha.build import BuildResult, ProgressBar
+    from turbine_fmha.build.aot import BuildResult, ProgressBar
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -82,7 +82,7 @@ def test_sessions_share_device_and_modules(rng):
     """Two sessions on one device share the IREE device and each loaded
     module (runtime._CONFIGS / _MODULES), and still compute the same."""
     from conftest import CACHE
-    from turbine_fmha import runtime
+    from turbine_fmha.runtime import session as runtime
 
     kw = dict(compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none")
     a, b = turbine_fmha.Session("cpu", **kw), turbine_fmha.Session("cpu", **kw)

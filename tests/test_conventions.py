@@ -13,9 +13,9 @@ import turbine_fmha
 from conftest import LSE_TOL, OUT_TOL, make_problem, run_and_check
 from test_validation import _TrapSession
 from test_kv_write import _check_rotated, _rope
-from turbine_fmha.cache import aligned_zeros
-from turbine_fmha.flash_attn import flash_attn_with_kvcache
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha import flash_attn_with_kvcache
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 @pytest.fixture(scope="module")

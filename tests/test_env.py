@@ -9,8 +9,8 @@ import pytest
 
 import turbine_fmha
 from test_cli import cli
-from turbine_fmha import env
-from turbine_fmha.runtime import cpu_threads
+from turbine_fmha.core import env
+from turbine_fmha.runtime.session import cpu_threads
 
 BAD = {
     # variable: (invalid values, what the error says)

@@ -58,7 +58,7 @@ def test_sink_tokens(sessions, rng, formulation, mask):
 
 
 def test_sink_tokens_visible_only_within_right_bound(explicit_session, rng):
-    from turbine_fmha.reference import visible_mask
+    from turbine_fmha.testing.reference import visible_mask
 
     vis = visible_mask(6, 10, "top_left", 1, 0, 3)
     assert vis[0, :3].tolist() == [True, False, False]  # sinks past row 0's right bound stay hidden

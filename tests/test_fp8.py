@@ -12,7 +12,7 @@ import pytest
 
 import turbine_fmha
 from conftest import make_problem, run_and_check
-from turbine_fmha.reference import fmha_fwd_paged_ref, fp8_round
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref, fp8_round
 
 FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"]
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import turbine_fmha
 from conftest import LSE_TOL, OUT_TOL, np_dtype
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 HEADS = [(4, 2), (4, 4), (4, 1)]
 FEATURES = ["none", "alibi", "bias", "softcap", "sinks", "offset"]

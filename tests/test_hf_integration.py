@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="transformers (the optional extra) is
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
 import turbine_fmha  # noqa: E402
-from turbine_fmha.cache import CacheFullError  # noqa: E402
+from turbine_fmha.api.cache import CacheFullError  # noqa: E402
 from turbine_fmha.integrations import transformers as fmha_hf  # noqa: E402
 
 PROMPT, NEW = 20, 16

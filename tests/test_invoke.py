@@ -17,9 +17,9 @@ import pytest
 
 import turbine_fmha
 from conftest import make_problem
-from turbine_fmha.arrays import _Results
-from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.runtime import _Loaded
+from turbine_fmha.core.arrays import _Results
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+from turbine_fmha.runtime.invoke import _Loaded
 
 SHAPE = dict(dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 5], nhead_q=4, nhead_k=2, hdim=64, page=16)
 
@@ -50,8 +50,8 @@ def test_built_artifacts_are_fenced(explicit_session, rng):
 def test_synchronous_artifact_still_runs(explicit_session, rng, tmp_path):
     """An artifact compiled without the execution-model flag (as before it
     existed) is called without fences and gives the same bits."""
-    from turbine_fmha import compiler, targets
-    from turbine_fmha.kernels import render_variant
+    from turbine_fmha.build import compiler, targets
+    from turbine_fmha.kernels.custom_ops import render_variant
 
     attn, (q, k, v), ref = _planned(explicit_session, rng)
     variant, args = _args(attn, q, k, v)
@@ -100,8 +100,8 @@ def test_queued_calls_are_waited_for_when_a_later_one_fails(explicit_session, rn
     loaded = explicit_session._load(variant)
     good = loaded.invoke(args, 2)[0].to_host()
     waited = []
-    wait = turbine_fmha.invoke._Call.wait
-    monkeypatch.setattr(turbine_fmha.invoke._Call, "wait", lambda self: (wait(self), waited.append(self)))
+    wait = turbine_fmha.runtime.invoke._Call.wait
+    monkeypatch.setattr(turbine_fmha.runtime.invoke._Call, "wait", lambda self: (wait(self), waited.append(self)))
     with pytest.raises(Exception):
         explicit_session.run_variants(variant, [args, args, args[:-1]])  # the third is refused by the VM
     assert len(waited) == 2

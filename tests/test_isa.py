@@ -4,7 +4,7 @@ the innermost where regions nest."""
 
 from __future__ import annotations
 
-from turbine_fmha.isa import main_loop
+from turbine_fmha.build.isa import main_loop
 
 ASM = """kernel:
 \ts_mov_b32 s0, 0

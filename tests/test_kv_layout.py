@@ -21,10 +21,11 @@ import turbine_fmha
 from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem
 from test_modes import _check, _group_problem
 from test_runtime_heads import _features
-from turbine_fmha import build as tfb
-from turbine_fmha.cache import aligned_zeros
-from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.variants import AppendKernel, Variant, online_variant
+from turbine_fmha.build import aot as tfb
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+from turbine_fmha.kernels.append_kernel import AppendKernel
+from turbine_fmha.kernels.variants import Variant, online_variant
 from test_validation import trap  # noqa: F401 (fixture)
 
 
@@ -218,7 +219,7 @@ def test_planned_hnd(rng):
     with pytest.raises(ValueError, match="k_cache"):
         attn.run(q, k, v)  # NHD caches of a plan for HND ones
     torch = pytest.importorskip("torch")
-    from turbine_fmha.torch_ops import result_shapes
+    from turbine_fmha.api.torch_ops import result_shapes
 
     tq, tk, tv = (torch.from_numpy(a) for a in (q, hnd(k), hnd(v)))
     assert result_shapes(tq, tk, tv, kv_layout="HND") == ((3, 1, 4, 64), (3, 4, 1))

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from turbine_fmha.cache import aligned_zeros
-from turbine_fmha.kv_write import reshape_and_cache
-from turbine_fmha.variants import AppendKernel, parse_kernel
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha import reshape_and_cache
+from turbine_fmha.kernels.append_kernel import AppendKernel
+from turbine_fmha.kernels.variants import parse_kernel
 
 NP, PG, HK, D, DV = 6, 4, 2, 16, 8
 

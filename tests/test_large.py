@@ -11,8 +11,8 @@ import pytest
 
 import turbine_fmha
 from test_modes import _check
-from turbine_fmha.cache import aligned_zeros
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 @pytest.mark.heavy

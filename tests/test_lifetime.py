@@ -28,8 +28,8 @@ _SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
     import turbine_fmha
-    import turbine_fmha.arrays as arrays
-    from turbine_fmha.reference import fmha_fwd_paged_ref
+    import turbine_fmha.core.arrays as arrays
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     def mmap_empty(shape, dtype, alignment=64):
         dtype = np.dtype(dtype)
@@ -81,7 +81,7 @@ def test_strided_caches_copied_copies_outlive_the_kernel(rng, tmp_path):
 def test_imported_buffer_keeps_its_source_alive(explicit_session):
     """The structural guarantee behind the test above: whoever holds the
     imported buffer holds the array it reads."""
-    from turbine_fmha.arrays import aligned_empty
+    from turbine_fmha.core.arrays import aligned_empty
 
     a = aligned_empty((64, 16), np.float32)
     a[...] = 1.5

@@ -14,10 +14,10 @@ import pytest
 import turbine_fmha
 from conftest import CACHE, make_problem
 from test_modes import _check
-from turbine_fmha import build as tfb
-from turbine_fmha.plan import merged_decode_splits
-from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.variants import Variant, online_variant
+from turbine_fmha.build import aot as tfb
+from turbine_fmha.calls.plan import merged_decode_splits
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+from turbine_fmha.kernels.variants import Variant, online_variant
 
 
 def _session(**kw):
@@ -155,7 +155,7 @@ def test_decode_selection_prefers_one_launch(tmp_path):
     least padding."""
     import json
 
-    from turbine_fmha.variants import KERNEL_ABI
+    from turbine_fmha.kernels.signature import KERNEL_ABI
 
     p = Variant("f16", 128, 128, 32, 8, 16, "none").problem
     kernels = [online_variant(p, t, 1) for t in (8, 64)] + [online_variant(p, 1, q) for q in (128, 4096)]
@@ -178,8 +178,8 @@ def test_causal_prefill_skips_masked_blocks_in_1024_row_chunks(tmp_path):
     the least padding."""
     import json
 
-    from turbine_fmha.selection import prefill_tile_cost
-    from turbine_fmha.variants import KERNEL_ABI
+    from turbine_fmha.runtime.selection import prefill_tile_cost
+    from turbine_fmha.kernels.signature import KERNEL_ABI
 
     p = Variant("f16", 128, 128, 32, 8, 16, "bottom_right").problem
     kernels = [online_variant(p, 1, q) for q in (128, 1024, 4096)]

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import turbine_fmha
-from turbine_fmha.model_set import ModelShape, model_variants, read_config, shape_from_config
-from turbine_fmha.variants import KERNEL_ABI, MERGED_DECODE_TILES, AppendKernel, Variant
+from turbine_fmha.build.model_set import ModelShape, model_variants, read_config, shape_from_config
+from turbine_fmha.kernels.signature import KERNEL_ABI
+from turbine_fmha.kernels.variants import MERGED_DECODE_TILES, Variant
+from turbine_fmha.kernels.append_kernel import AppendKernel
 
 LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, torch_dtype="bfloat16")
 

@@ -11,7 +11,7 @@ import pytest
 
 import turbine_fmha
 from conftest import LSE_TOL, OUT_TOL, np_dtype
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 FORMULATIONS = ["explicit", "online"]
 
@@ -308,8 +308,8 @@ def test_kvcache_pages_follow_the_session_kernels(monkeypatch, tmp_path, rng):
     max_seqlen_k that the session has kernels for: a session built with
     page-16 kernels only (like the GPU default sets, which have 16 and 64)
     gets 16-row pages for max_seqlen_k = 256, not 128."""
-    import turbine_fmha.api as api
-    from turbine_fmha.variants import Variant
+    import turbine_fmha.api.eager as api
+    from turbine_fmha.kernels.variants import Variant
 
     class Page16Session(turbine_fmha.Session):
         def available_variants(self):
@@ -335,7 +335,8 @@ def test_available_variants_skips_append_kernels(tmp_path):
     """A manifest holding append kernels (PagedKVCache's) next to attention
     variants lists only the variants (it used to raise on the append
     kernel's name, which broke fmha_fwd_kvcache on such sessions)."""
-    from turbine_fmha.variants import AppendKernel, Variant
+    from turbine_fmha.kernels.append_kernel import AppendKernel
+    from turbine_fmha.kernels.variants import Variant
 
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path / "none", compile_missing=True, cache_dir=tmp_path)
     s.append_function(AppendKernel("f16", 2, 64, 64, 16))  # compiled into the cache manifest

@@ -102,7 +102,7 @@ def test_long_prefill_chunked(explicit_session, rng, dtype):
     the score tile stays bounded; the mask must stay in absolute positions."""
     prob = make_problem(rng, dtype=dtype, batch=1, seqlen_q=1100, seqlens_k=[2000],
                         nhead_q=8, nhead_k=2, hdim=64, page=32)
-    import turbine_fmha.plan as plan
+    import turbine_fmha.calls.plan as plan
 
     old = plan.SCORE_BYTES_BUDGET
     plan.SCORE_BYTES_BUDGET = 8 << 20  # force several chunks
@@ -148,7 +148,7 @@ def test_large_scores_exact(explicit_session, online_session, rng, formulation, 
 
     import turbine_fmha
     from conftest import LSE_TOL, OUT_TOL
-    from turbine_fmha.reference import fmha_fwd_paged_ref
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     session = explicit_session if formulation == "explicit" else online_session
     prob = _hot_keys_problem(rng, dtype, c, 4 if formulation == "explicit" else 8)
@@ -171,7 +171,7 @@ def test_large_finite_bias_on_every_key(explicit_session, online_session, rng, f
 
     import turbine_fmha
     from conftest import OUT_TOL, make_problem
-    from turbine_fmha.reference import fmha_fwd_paged_ref
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     session = explicit_session if formulation == "explicit" else online_session
     prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[40, 21],
@@ -193,7 +193,7 @@ def test_nan_key_under_large_negative_bias_stays_nan(online_session, rng):
 
     import turbine_fmha
     from conftest import make_problem
-    from turbine_fmha.reference import fmha_fwd_paged_ref
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 21],
                                    nhead_q=8, nhead_k=2, hdim=64, page=16)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import turbine_fmha
-from turbine_fmha.variants import Variant, runtime_heads
+from turbine_fmha.kernels.variants import Variant, runtime_heads
 
 REPO = Path(__file__).resolve().parent.parent
 # Small decode variants: each compiles in about two seconds.
@@ -88,8 +88,8 @@ def test_wheel_ships_every_module_and_template(wheel):
 def test_default_directories_follow_one_rule(monkeypatch, tmp_path):
     """$TURBINE_FMHA_ARTIFACTS, else the user cache: for Python, the CLI
     and the missing-artifact hint alike; never inside the package."""
-    from turbine_fmha import paths
-    from turbine_fmha.cli import main
+    from turbine_fmha.runtime import paths
+    from turbine_fmha.cli.main import main
 
     for env in ("TURBINE_FMHA_ARTIFACTS", "TURBINE_FMHA_CACHE"):
         monkeypatch.delenv(env, raising=False)
@@ -111,7 +111,7 @@ def test_default_directories_follow_one_rule(monkeypatch, tmp_path):
 
 
 def test_compile_missing_without_the_build_extra_names_it(monkeypatch, tmp_path):
-    import turbine_fmha.build as tfb
+    import turbine_fmha.build.aot as tfb
 
     monkeypatch.setattr(tfb, "missing_build_modules", lambda: ["torch"])
     session = turbine_fmha.Session("cpu", artifact_dir=tmp_path, cache_dir=tmp_path / "c", compile_missing=True)
@@ -172,7 +172,7 @@ def venv(wheel, tmp_path_factory) -> Venv:
 # float64 reference); prints OK. {session} is the session argument.
 CALL = """
 import numpy as np, turbine_fmha
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 assert "site-packages" in turbine_fmha.__file__, turbine_fmha.__file__
 rng = np.random.default_rng(0)
 hq, hk, d = {hq}, {hk}, {d}

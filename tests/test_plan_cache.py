@@ -10,8 +10,8 @@ import pytest
 
 import turbine_fmha
 from conftest import OUT_TOL, make_problem
-from turbine_fmha.plan_cache import PLAN_CACHE_SIZE, call_key
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.runtime.plan_cache import PLAN_CACHE_SIZE, call_key
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 SHAPE = dict(dtype="f16", batch=3, seqlen_q=1, seqlens_k=[40, 17, 33], nhead_q=4, nhead_k=2, hdim=64, page=16)
 

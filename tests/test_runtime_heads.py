@@ -15,13 +15,13 @@ import pytest
 import turbine_fmha
 from conftest import CACHE, make_problem, run_and_check
 from test_modes import _check
-from turbine_fmha import build as tfb
-from turbine_fmha.artifacts import ArtifactError
-from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.default_sets import ANY_HEADS_HDIMS, gpu_default_set, host_default_set
-from turbine_fmha.selection import VariantSelection, _problem_key
-from turbine_fmha.targets import get_target
-from turbine_fmha.variants import Variant, online_variant, runtime_heads
+from turbine_fmha.build import aot as tfb
+from turbine_fmha.build.artifacts import ArtifactError
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+from turbine_fmha.build.default_sets import ANY_HEADS_HDIMS, gpu_default_set, host_default_set
+from turbine_fmha.runtime.selection import VariantSelection, _problem_key
+from turbine_fmha.build.targets import get_target
+from turbine_fmha.kernels.variants import Variant, online_variant, runtime_heads
 
 # (nhead_q, nhead_k): groups 1-8, odd counts, MQA.
 HEADS = [(8, 2), (12, 3), (6, 6), (10, 2), (7, 1)]

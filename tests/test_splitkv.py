@@ -15,10 +15,10 @@ import pytest
 import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
-from turbine_fmha.mask import MaskSpec
-from turbine_fmha.plan import MASKED_CHUNK_ROWS, KernelCall, decode_splits, kernel_steps, num_splits_heuristic
-from turbine_fmha.reference import fmha_fwd_paged_ref
-from turbine_fmha.variants import MERGE_SPLITS, MMA_ROWS, Variant, online_variant
+from turbine_fmha.calls.mask import MaskSpec
+from turbine_fmha.calls.plan import MASKED_CHUNK_ROWS, KernelCall, decode_splits, kernel_steps, num_splits_heuristic
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+from turbine_fmha.kernels.variants import MERGE_SPLITS, MMA_ROWS, Variant, online_variant
 
 
 def _gappy_problem(rng, dtype, sq, lens, *, max_offset, page=16):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import turbine_fmha  # noqa: E402
 from conftest import OUT_TOL, make_problem  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 import turbine_fmha  # noqa: E402
 from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem  # noqa: E402
 from test_validation import _TrapSession  # noqa: E402
-from turbine_fmha import torch_ops  # noqa: E402
-from turbine_fmha.flash_attn import flash_attn_with_kvcache  # noqa: E402
-from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
+from turbine_fmha.api import torch_ops  # noqa: E402
+from turbine_fmha import flash_attn_with_kvcache  # noqa: E402
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 OPS = torch.ops.turbine_fmha
 

@@ -13,8 +13,8 @@ import pytest
 import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
-from turbine_fmha.plan import stale_rows_finite
-from turbine_fmha.reference import fmha_fwd_paged_ref
+from turbine_fmha.calls.plan import stale_rows_finite
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 def _run(session, q, k, v, bt, sk, **kw):

@@ -2,24 +2,21 @@
 
 The runtime (`fmha_fwd_paged`, `Session`) needs numpy and iree-base-runtime
 only; building artifacts (`turbine_fmha.build`, `turbine_fmha.kernels`) also
-needs iree-base-compiler and iree-turbine.
+needs iree-base-compiler and iree-turbine. The package is layered, each
+layer importing only the ones below it: core, kernels, build, calls,
+testing, runtime, api, integrations, cli (docs/architecture.md).
 """
 
-from importlib.metadata import PackageNotFoundError as _NotInstalled
-from importlib.metadata import version as _version
+from .core.version import VERSION as __version__
 
-try:
-    __version__ = _version("turbine-fmha")
-except _NotInstalled:  # a source tree on sys.path, never installed
-    __version__ = "0+unknown"
-
-from .api import fmha_fwd_kvcache, fmha_fwd_paged, fmha_fwd_paged_async  # noqa: E402
-from .attention import PagedAttention  # noqa: E402
-from .cache import CacheFullError, PagedKVCache  # noqa: E402
-from .flash_attn import flash_attn_with_kvcache  # noqa: E402
-from .kv_write import reshape_and_cache  # noqa: E402
-from .runtime import ArtifactError, Session  # noqa: E402
-from .variants import Variant  # noqa: E402
+from .api.attention import PagedAttention
+from .api.cache import CacheFullError, PagedKVCache, aligned_zeros
+from .api.eager import fmha_fwd_paged_async
+from .api.public import fmha_fwd_kvcache, fmha_fwd_paged, flash_attn_with_kvcache, reshape_and_cache
+from .build.artifacts import ArtifactError
+from .kernels.variants import Variant
+from .runtime.session import Session
+from .testing.reference import fmha_fwd_paged_ref
 
 __all__ = [
     "__version__",
@@ -34,4 +31,6 @@ __all__ = [
     "Session",
     "Variant",
     "ArtifactError",
+    "aligned_zeros",
+    "fmha_fwd_paged_ref",
 ]

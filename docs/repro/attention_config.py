@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from turbine_fmha.build import iree_compile_path  # noqa: E402
-from turbine_fmha.kernels import render_variant  # noqa: E402
-from turbine_fmha.targets import get_target  # noqa: E402
-from turbine_fmha.variants import Variant  # noqa: E402
+from turbine_fmha.build.compiler import iree_compile_path  # noqa: E402
+from turbine_fmha.kernels.custom_ops import render_variant  # noqa: E402
+from turbine_fmha.build.targets import get_target  # noqa: E402
+from turbine_fmha.kernels.variants import Variant  # noqa: E402
 
 
 def main(variant: str, target: str, field: str, values: str) -> int:

@@ -46,10 +46,10 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
-from ..attention import PagedAttention
-from ..cache import CacheFullError, PagedKVCache
-from ..runtime import Session
+from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
+from ..api.attention import PagedAttention
+from ..api.cache import CacheFullError, PagedKVCache
+from ..runtime.session import Session
 from ._hf_masks import NAME, left_padding, padding_mask, refuse_unsupported
 
 _DTYPES = {np_dtype(n) for n in ("f16", "bf16", "f32")}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import (
+from ..core.arrays import (
     _cache_array,
     _check_tensor_devices,
     _DeviceCache,
@@ -24,10 +24,10 @@ from .arrays import (
     _TorchDeviceCache,
     ops_for,
 )
-from .checks import check_int, check_out
-from .flash_attn import conventions
-from .modes import active_sequences, bias_rows, gappy_table, regroup
-from .plan import (
+from ..core.checks import check_int, check_out
+from .conventions import conventions
+from ..calls.modes import active_sequences, bias_rows, gappy_table, regroup
+from ..calls.plan import (
     KernelCall,
     combine_splits,
     decode_splits,
@@ -39,10 +39,10 @@ from .plan import (
     stale_rows,
     rows_finite,
 )
-from .problem import Problem, layout_of_params, problem, scores, tables
-from .runtime import DEVICES, Session, resolve_session  # noqa: F401 (DEVICES re-exported)
-from .tracing import check_no_grad, untraced_methods
-from .variants import bias_shape_of, group_rows_for
+from ..calls.problem import Problem, layout_of_params, problem, scores, tables
+from ..runtime.session import Session, resolve_session
+from ..core.tracing import check_no_grad, untraced_methods
+from ..kernels.variants import bias_shape_of, group_rows_for
 
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512

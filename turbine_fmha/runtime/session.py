@@ -23,16 +23,18 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
-from .artifacts import ArtifactError  # re-exported: defined with the artifact store
+from ..build.artifacts import ArtifactError
 from .interop import DeviceInterop
 from .invoke import _Loaded, host_array, wait_all
 from .plan_cache import PlanCache
 from .selection import VariantSelection, _problem_key
-from .targets import DEVICE_DEFAULT_TARGET, Target, get_target
-from .tracing import untraced
-from .variants import KERNEL_ABI, AppendKernel, Variant, parse_kernel
+from ..build.targets import DEVICE_DEFAULT_TARGET, Target, get_target
+from ..core.tracing import untraced
+from ..kernels.signature import KERNEL_ABI
+from ..kernels.append_kernel import AppendKernel
+from ..kernels.variants import Variant, parse_kernel
 
-from . import env
+from ..core import env
 from .paths import default_artifact_dir, default_cache_dir, default_compile_missing
 
 # The CUDA device's allocators ($TURBINE_FMHA_CUDA_ALLOCATORS, "" for none).
@@ -98,7 +100,7 @@ class Session(VariantSelection, DeviceInterop):
         compute_units: int | None = None,
         manifest_sha256: str | Iterable[str] | None = None,
     ):
-        from .artifacts import parse_pins
+        from ..build.artifacts import parse_pins
 
         if device not in DEVICE_DEFAULT_TARGET:
             raise ValueError(
@@ -147,7 +149,7 @@ class Session(VariantSelection, DeviceInterop):
     # -- manifest and loading ---------------------------------------------
 
     def _read_manifest(self, directory: Path, pins: frozenset[str] | None = None) -> None:
-        from .artifacts import entries_for, read_manifest
+        from ..build.artifacts import entries_for, read_manifest
 
         manifest = read_manifest(directory, pins=pins)
         if manifest is None:
@@ -191,7 +193,7 @@ class Session(VariantSelection, DeviceInterop):
     def _compile_into_cache(self, variant: Variant) -> dict:
         import logging
 
-        from .build import build, require_build_extra
+        from ..build.aot import build, require_build_extra
 
         # The runtime alone would fail deep in the build on its first
         # import of the compiler or torch; say which extra to install.
@@ -210,7 +212,7 @@ class Session(VariantSelection, DeviceInterop):
     def _load_entry(self, variant: Variant, entry: dict) -> _Loaded:
         import iree.runtime as rt
 
-        from .artifacts import verify_artifact
+        from ..build.artifacts import verify_artifact
 
         path, data = verify_artifact(Path(entry["_dir"]), entry, runtime_version())
         config = self._iree_config()

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .append_kernel import APPEND_DTYPES, ROTARY_MODES, AppendKernel  # noqa: F401 (re-exported)
+from .append_kernel import AppendKernel
 from .naming import NameCodec, Named, enum, number
-from .signature import KERNEL_ABI  # noqa: F401 (re-exported)
 
 # fp8 formats (ml_dtypes / MLIR names): OCP e4m3fn/e5m2 (gfx950, NVIDIA) and
 # the fnuz variants (gfx942).
@@ -41,10 +40,6 @@ V_LAYOUTS = ("row", "col")
 KV_LAYOUTS = ("NHD", "HND")
 # fp8 KV caches under fp16/bf16 queries.
 KV_DTYPES = FP8_DTYPES
-
-# KERNEL_ABI, the kernels' argument-list version, is a hash of their
-# declarations (turbine_fmha.signature): artifacts built for another one are
-# never loaded.
 
 # A window side of -1 is unbounded; the kernels take this bound instead (no
 # sequence reaches it, and i + shift + bound cannot overflow their 64-bit
@@ -358,18 +353,3 @@ def parse_kernel(name: str):
     if name.startswith("pagedkv_append_"):
         return AppendKernel.parse(name)
     return Variant.parse(name)
-
-
-# The default sets live in default_sets.py (imported last: it builds on
-# Variant).
-from .default_sets import (  # noqa: E402,F401 (re-exported)
-    DEFAULT_HDIMS,
-    DEFAULT_HEADS,
-    DEFAULT_PAGES,
-    FEATURES,
-    default_append_kernels,
-    gpu_default_set,
-    host_default_set,
-    plain_variants,
-    without_v_guard,
-)

@@ -16,80 +16,21 @@ import sys
 import time
 from pathlib import Path
 
-from .env import ARTIFACTS as ENV_ARTIFACTS
-from .paths import default_artifact_dir
-from .targets import TARGETS
-
-# Exceptions whose message says all there is to say: no type name needed.
-_PLAIN_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
-
-
-class CliError(Exception):
-    """A command's invalid input or unusable state: printed as one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # argparse would print the usage block first; one line is enough
-        # (--help has the rest).
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-    return value
-
-
-def int_list(minimum: int):
-    """An argparse type: a comma list of integers >= minimum."""
-
-    def parse(text: str) -> list[int]:
-        items = [t.strip() for t in text.split(",")]
-        if not all(items):
-            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}")
-        return [_int_at_least(t, minimum) for t in items]
-
-    return parse
-
-
-def artifact_dir(args, may_be_missing: bool = False) -> Path:
-    """The directory --artifacts names, else the default one. It must exist
-    (a mistyped path would otherwise read as an empty directory), except
-    the default one where may_be_missing (nothing built yet)."""
-    given = args.artifacts is not None
-    d = Path(args.artifacts) if given else default_artifact_dir()
-    if d.is_dir() or (may_be_missing and not given):
-        return d
-    what = "--artifacts" if given else f"the default artifact directory (${ENV_ARTIFACTS}, else the user cache)"
-    state = "is not a directory" if d.exists() else "does not exist"
-    raise CliError(f"{what}: {d} {state}; build into it with `turbine-fmha build --artifacts {d}`")
-
+from ..build.targets import TARGETS
+from ..core.env import ARTIFACTS as ENV_ARTIFACTS
+from ..core.version import VERSION
+from ..runtime.paths import default_artifact_dir
+from .common import _PLAIN_ERRORS, CliError, _Parser, artifact_dir, emit_json, int_list, positive_int
+from .problem import add_problem_commands
 
 def _manifest(args) -> dict:
-    from .artifacts import read_manifest
+    from ..build.artifacts import read_manifest
 
     d = artifact_dir(args)
     m = read_manifest(d)
     if m is None:
         raise CliError(f"no manifest.json in {d}; build into it with `turbine-fmha build --artifacts {d}`")
     return m.data
-
-
-def emit_json(value) -> None:
-    print(json.dumps(value, indent=1))
 
 
 def _cmd_list(args) -> int:
@@ -133,7 +74,8 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_build(args) -> int:
-    from .build import ProgressBar, build, manifest_digest
+    from ..build.aot import ProgressBar, build
+    from ..build.artifacts import manifest_digest
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in targets if t not in TARGETS]
@@ -165,7 +107,7 @@ def _cmd_build(args) -> int:
 
 
 def _named_variants(args):
-    from .variants import parse_kernel
+    from ..kernels.variants import parse_kernel
 
     if not args.variants:
         return None  # each target's default set
@@ -184,7 +126,7 @@ def _model_given(args) -> bool:
 
 def _model_set(args, targets) -> dict:
     """Target -> the model's variant set (model_set.model_variants)."""
-    from .model_set import model_variants, read_config, shape_from_config
+    from ..build.model_set import model_variants, read_config, shape_from_config
 
     if args.variants:
         raise CliError("--variants cannot be combined with --model-config or the model's shape flags")
@@ -205,29 +147,13 @@ def _model_set(args, targets) -> dict:
     return sets
 
 
-def _version() -> str:
-    import importlib.metadata
-
-    import turbine_fmha
-
-    # The package's __version__ is the distribution's metadata version;
-    # read the metadata directly where the package does not define it.
-    version = getattr(turbine_fmha, "__version__", None)
-    if version:
-        return version
-    try:
-        return importlib.metadata.version("turbine-fmha")
-    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path (scripts/build_artifacts.py)
-        return "0+unknown"
-
-
 def _artifacts_option(sp, note: str = "") -> None:
     sp.add_argument("--artifacts", "--out", dest="artifacts", default=None, metavar="DIR",
                     help=f"artifact directory (default: ${ENV_ARTIFACTS}, else {default_artifact_dir()}){note}")
 
 
 def _build_parser(sub) -> None:
-    from .variants import KV_LAYOUTS
+    from ..kernels.variants import KV_LAYOUTS
 
     b = sub.add_parser("build", help="compile variants ahead of time")
     b.add_argument("--targets", default="host", help=f"comma list of: {', '.join(TARGETS)}")
@@ -253,10 +179,8 @@ def _build_parser(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .cli_run import add_problem_commands
-
     p = _Parser(prog="turbine-fmha", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"turbine-fmha {_version()}")
+    p.add_argument("--version", action="version", version=f"turbine-fmha {VERSION}")
     sub = p.add_subparsers(dest="cmd", required=True)
     _build_parser(sub)
     ls = sub.add_parser("list", help="artifacts in a manifest")
@@ -302,10 +226,3 @@ def _detach_stdout() -> None:
     except (OSError, ValueError, AttributeError):  # not a real file (captured in tests)
         pass
 
-
-if __name__ == "__main__":
-    # `python -m turbine_fmha.cli`: the package's own module, whose CliError
-    # cli_run raises, not a second copy named __main__.
-    from turbine_fmha.cli import main as _main
-
-    sys.exit(_main())

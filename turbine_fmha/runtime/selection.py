@@ -3,8 +3,8 @@ serves a call."""
 
 from __future__ import annotations
 
-from .artifacts import ArtifactError
-from .variants import (
+from ..build.artifacts import ArtifactError
+from ..kernels.variants import (
     GPU_DECODE_TILES,
     GPU_PREFILL_TILE,
     MERGE_SPLITS,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import _is_torch, _to_numpy
-from .checks import int_array
+from ..core.arrays import _is_torch, _to_numpy
+from ..core.checks import int_array
 from .plan import bias_in_table_rows, fill_unused_slots
 from .problem import Tables
 

@@ -14,10 +14,10 @@ import math
 
 import numpy as np
 
-from .arrays import _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype, np_dtype
-from .checks import F32_MAX, check_float, check_int, float_array, int_array
+from ..core.arrays import _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype, np_dtype
+from ..core.checks import F32_MAX, check_float, check_int, float_array, int_array
 from .mask import MaskSpec
-from .variants import FP8_DTYPES, KV_LAYOUTS, V_LAYOUTS
+from ..kernels.variants import FP8_DTYPES, KV_LAYOUTS, V_LAYOUTS
 
 LOG2E = math.log2(math.e)
 
@@ -402,7 +402,7 @@ def from_arrays(q, k_cache, v_cache, block_table, seqlen_k, *, seqstart_q=None, 
                 kv_layout="NHD", min_seqlen_q=0, num_splits=None, kv_rows_finite=None, **score_terms) -> Problem:
     """The Problem of fmha_fwd_paged's arguments. Only shapes and dtypes of
     q and the caches are looked at (a torch GPU q stays on its device)."""
-    from .arrays import _cache_array, _DeviceCache, _is_torch, _TensorInfo, _to_numpy
+    from ..core.arrays import _cache_array, _DeviceCache, _is_torch, _TensorInfo, _to_numpy
 
     qi = _TensorInfo(q) if _is_torch(q) and q.device.type != "cpu" else _to_numpy(q, "q")
     kc, vc = _cache_array(k_cache, "k_cache"), _cache_array(v_cache, "v_cache")

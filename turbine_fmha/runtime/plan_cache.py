@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from .arrays import _is_device_array, _is_torch
+from ..core.arrays import _is_device_array, _is_torch
 
 # Plans a session keeps: a step's distinct calls (decode, prefill chunks,
 # a few layouts), not a history.

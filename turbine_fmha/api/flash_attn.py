@@ -1,17 +1,8 @@
-"""flash-attn's conventions, mapped onto fmha_fwd_paged / fmha_fwd_kvcache.
-
-- `conventions`: `causal=True`, `softmax_scale` and `window_size=(left,
-  right)` as the runtime's own mask_type / scale / window_size_left and
-  window_size_right (fmha_fwd_paged takes both spellings).
-- `kvcache_seqlens`: fmha_fwd_kvcache's key counts given as `seqlen_k` or
-  `cache_seqlens`, an int or an array.
-- `flash_attn_with_kvcache`: flash-attn's function of that name, with its
-  argument names and semantics.
-
-Nothing here imports torch or touches array data, except the in-call
-appends: it runs as it is inside torch.compile, before the call reaches
-the registered op (torch_ops); with in-call appends the whole call goes
-to the op, which runs it eagerly.
+"""flash-attn's `flash_attn_with_kvcache`, run eagerly by fmha_fwd_paged
+(with a block table) or fmha_fwd_kvcache (without), after its in-call
+appends (reshape_and_cache). `attention_call` is the mapping from its
+arguments to the attention's, which torch_ops also runs while
+torch.compile traces a call without appends.
 """
 
 from __future__ import annotations
@@ -21,87 +12,12 @@ import sys
 
 import numpy as np
 
-from .arrays import _is_device_array, _is_torch
-from .checks import check_int, int_array
-from .tracing import compiling
-
-
-def conventions(*, scale=None, softmax_scale=None, causal=False, window_size=None, mask_type="none",
-                window_size_left=-1, window_size_right=-1) -> dict:
-    """scale, mask_type, window_size_left and window_size_right from either
-    spelling. Two spellings of one thing that disagree raise ValueError
-    naming both; values are checked later, by the Problem."""
-    if softmax_scale is not None:
-        if scale is not None:
-            raise ValueError("scale and softmax_scale are the same argument (softmax_scale is flash-attn's "
-                             "name): pass one of them")
-        scale = softmax_scale
-    right_name = "window_size_right"
-    if window_size is not None:
-        if (window_size_left, window_size_right) != (-1, -1):
-            raise ValueError("window_size and window_size_left/window_size_right are the same argument: pass "
-                             "either window_size=(left, right) or the two sides")
-        window_size_left, window_size_right = _pair(window_size)
-        right_name = "window_size[1]"
-        # flash-attn's local windows are aligned like its causal mask: to
-        # the bottom right (the top-left form needs mask_type to say so).
-        if mask_type == "none" and (window_size_left, window_size_right) != (-1, -1):
-            mask_type = "bottom_right"
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if causal:
-        if mask_type == "top_left":
-            raise ValueError("causal=True (the bottom-right causal mask) conflicts with mask_type='top_left'")
-        # An unbounded right side (-1) is the default of both spellings:
-        # only a positive one contradicts causal.
-        if isinstance(window_size_right, numbers.Integral) and window_size_right > 0:
-            raise ValueError(f"causal=True (a right window side of 0) conflicts with {right_name} = "
-                             f"{window_size_right}")
-        mask_type, window_size_right = "bottom_right", 0
-    return dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
-                window_size_right=window_size_right)
-
-
-def _pair(window_size) -> tuple[int, int]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    return tuple(check_int(v, f"window_size[{i}]", minimum=-1) for i, v in enumerate(window_size))
-
-
-def kvcache_seqlens(q, k_cache, seqlen_k=None, cache_seqlens=None, seqstart_q=None):
-    """The key count of each sequence of a non-paged cache: an array given
-    as seqlen_k or cache_seqlens (flash-attn's name), an int for every
-    sequence, or None for the whole cache row (k_cache.shape[1]), as
-    flash-attn does. An int becomes an array beside q (numpy, or a torch
-    tensor in host memory: the tables are read on the host)."""
-    if cache_seqlens is not None:
-        if seqlen_k is not None:
-            raise ValueError("seqlen_k and cache_seqlens are the same argument (cache_seqlens is flash-attn's "
-                             "name): pass one of them")
-        seqlen_k, name = cache_seqlens, "cache_seqlens"
-    else:
-        name = "seqlen_k"
-    if seqlen_k is None:
-        shape = tuple(getattr(k_cache, "shape", ()))
-        seqlen_k = int(shape[1]) if len(shape) == 4 else 0
-    if not isinstance(seqlen_k, numbers.Integral) or isinstance(seqlen_k, bool):
-        return seqlen_k
-    n = check_int(seqlen_k, name, minimum=0)
-    batch = _batch(q, seqstart_q)
-    if _is_torch(q):
-        torch = sys.modules["torch"]
-        return torch.full((batch,), n, dtype=torch.int64)
-    return np.full((batch,), n, np.int64)
-
-
-def _batch(q, seqstart_q) -> int:
-    if seqstart_q is None:
-        shape = tuple(getattr(q, "shape", ()))
-        return int(shape[0]) if shape else 0
-    shape = tuple(getattr(seqstart_q, "shape", ()))
-    if len(shape) != 1:
-        raise ValueError(f"seqstart_q must have 1 dims, got shape {shape}")
-    return max(int(shape[0]) - 1, 0)
+from ..core.arrays import _is_device_array, _is_torch
+from ..core.checks import check_int, int_array
+from ..core.tracing import compiling
+from .conventions import kvcache_seqlens
+from .eager import fmha_fwd_kvcache, fmha_fwd_paged
+from .kv_write import reshape_and_cache
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -144,51 +60,57 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     attention then fails, the overwritten cache rows are restored. Rotary
     not with cache_leftpad.
     """
-    from .api import fmha_fwd_kvcache, fmha_fwd_paged
-
     undo = None
-    appends = k is not None or v is not None or rotary_cos is not None or rotary_sin is not None
-    if appends and compiling():
-        # The appends need the tables' values: the op runs this function
-        # eagerly when the compiled code runs.
-        from . import torch_ops
-
-        return torch_ops.call_flash_attn(
-            q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
-            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
-            return_softmax_lse=return_softmax_lse, session=session, device=device)
-    if appends:
+    if appends(k, v, rotary_cos, rotary_sin):
         local = window_size is not None and tuple(window_size) != (-1, -1)
         q, cache_seqlens, undo = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
                                          cache_leftpad, (rotary_cos, rotary_sin, rotary_interleaved),
                                          causal or local, session, device)
-    eager = not compiling()
     try:
-        if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
-            raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap "
-                             "with any bias)")
-        splits = check_int(num_splits, "num_splits", minimum=0)
-        common = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, logits_soft_cap=softcap,
-                      alibi_slopes=alibi_slopes, num_splits=splits or None, return_lse=return_softmax_lse,
-                      session=session, device=device)
-        if block_table is None:
-            seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
-            return fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k, cache_batch_idx=cache_batch_idx,
-                                    kv_offset=cache_leftpad, **common)
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
-                             "sequence's pages are its block_table row")
-        if cache_seqlens is None:  # flash-attn: each sequence fills its block table row
-            bt, kc = tuple(getattr(block_table, "shape", ())), tuple(getattr(k_cache, "shape", ()))
-            cache_seqlens = int(bt[1]) * int(kc[1]) if len(bt) == 2 and len(kc) == 4 else 0
-        seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
-        return fmha_fwd_paged(q, k_cache, v_cache, block_table, seqlen_k, kv_offset=cache_leftpad, **common)
+        kind, args, kw = attention_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                        block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                        num_splits=num_splits, return_softmax_lse=return_softmax_lse,
+                                        session=session, device=device)
+        return (fmha_fwd_paged if kind == "paged" else fmha_fwd_kvcache)(*args, **kw)
     except BaseException:
         if undo is not None:  # the call failed: the caches get their old rows back
             undo()
         raise
+
+
+def appends(k, v, rotary_cos, rotary_sin) -> bool:
+    """Whether a call writes into the caches (in-call appends, rotary)."""
+    return k is not None or v is not None or rotary_cos is not None or rotary_sin is not None
+
+
+def attention_call(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse,
+                   session, device) -> tuple[str, tuple, dict]:
+    """The attention a flash_attn_with_kvcache call (its appends done) runs:
+    ("paged" or "kvcache", the positional arguments, the keywords of
+    fmha_fwd_paged or fmha_fwd_kvcache). Traceable: torch_ops calls it
+    while torch.compile traces."""
+    if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
+        raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap "
+                         "with any bias)")
+    splits = check_int(num_splits, "num_splits", minimum=0)
+    common = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, logits_soft_cap=softcap,
+                  alibi_slopes=alibi_slopes, num_splits=splits or None, return_lse=return_softmax_lse,
+                  session=session, device=device, kv_offset=cache_leftpad)
+    eager = not compiling()
+    if block_table is None:
+        seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
+        return "kvcache", (q, k_cache, v_cache, seqlen_k), dict(common, cache_batch_idx=cache_batch_idx)
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
+                         "sequence's pages are its block_table row")
+    if cache_seqlens is None:  # flash-attn: each sequence fills its block table row
+        bt, kc = tuple(getattr(block_table, "shape", ())), tuple(getattr(k_cache, "shape", ()))
+        cache_seqlens = int(bt[1]) * int(kc[1]) if len(bt) == 2 and len(kc) == 4 else 0
+    seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
+    return "paged", (q, k_cache, v_cache, block_table, seqlen_k), common
 
 
 def _leftpad(seqlen_k, cache_leftpad, *, eager: bool):
@@ -215,8 +137,6 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_i
     (q, rotated when rotary is given; the key counts after the append; a
     function that writes the overwritten rows back, or None for caches
     this side cannot read)."""
-    from .kv_write import reshape_and_cache
-
     cos, sin, interleaved = rotary
     if k is None or v is None:
         if k is not None or v is not None:

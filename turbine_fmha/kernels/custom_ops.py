@@ -25,9 +25,10 @@ from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection
 from iree.turbine.runtime.op_reg.base import ALL_CUSTOM_OP_REGS, EagerKernelSelection, FreeFuncKernelBuilder
 from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
 
-from . import env
+from ..core import env
 from . import signature as sig
-from .variants import FP8_DTYPES, UNBOUNDED, AppendKernel, Variant
+from .variants import FP8_DTYPES, UNBOUNDED, Variant
+from .append_kernel import AppendKernel
 
 _TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i8": torch.int8,
                 "i32": torch.int32}
@@ -36,7 +37,7 @@ _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 def mlir_dir() -> Path:
     """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package's."""
-    return env.directory(env.MLIR_DIR) or Path(__file__).resolve().parent / "templates"
+    return env.directory(env.MLIR_DIR) or Path(__file__).resolve().parent.parent / "templates"
 
 
 class PackageJinjaLoader(TemplateLoader):

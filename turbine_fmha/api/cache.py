@@ -28,11 +28,14 @@ import threading
 
 import numpy as np
 
-from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
+from ..core.arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
                      ops_for)
-from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info, run_append
-from .tracing import untraced_methods
-from .variants import KV_LAYOUTS
+from .eager import fmha_fwd_paged
+from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info
+from ..runtime.interop import run_append
+from ..core.tracing import untraced_methods
+from ..kernels.append_kernel import AppendKernel
+from ..kernels.variants import KV_LAYOUTS
 
 
 class CacheFullError(RuntimeError):
@@ -85,8 +88,6 @@ class PagedKVCache:
         self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
         if session is not None:
-            from .variants import AppendKernel
-
             # fp8 pools live on the device as their bytes (int8), like the
             # kernels take them; the append kernel copies bits.
             name = "i8" if self._bits else _dtype_name(dt)
@@ -251,8 +252,6 @@ class PagedKVCache:
         """fmha_fwd_paged over sequences `seqs` of this cache (q as there:
         [len(seqs), seqlen_q, nhead_q, hdim], or group mode with
         seqstart_q), on the device pool when there is one."""
-        from .api import fmha_fwd_paged
-
         bt, sk = self.batch(seqs)
         if self.session is not None:
             kwargs.setdefault("session", self.session)

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .cli import CliError, artifact_dir, emit_json, int_list, non_negative_int, positive_int
+from .common import CliError, artifact_dir, emit_json, int_list, non_negative_int, positive_int
 
 # Output rel. error bounds of `run` (tests/conftest.py explains them).
 OUT_TOL = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}
@@ -52,7 +52,7 @@ def _problem_args(sp, artifacts_option) -> None:
 def _random_problem(args, rng):
     """A paged problem as the arguments describe it: pages shuffled over the
     pool, unused table slots holding -1."""
-    from .arrays import np_dtype
+    from ..core.arrays import np_dtype
 
     lens = args.seqlen_k * args.batch if len(args.seqlen_k) == 1 else args.seqlen_k
     if len(lens) != args.batch:
@@ -77,7 +77,7 @@ def _random_problem(args, rng):
 
 
 def _session(args):
-    from .runtime import Session
+    from ..runtime.session import Session
 
     d = artifact_dir(args, may_be_missing=args.compile_missing)
     return Session(args.device, artifact_dir=d, compile_missing=args.compile_missing)
@@ -85,8 +85,8 @@ def _session(args):
 
 def _cmd_run(args) -> int:
     """One call on random data, checked against the float64 reference."""
-    from .api import fmha_fwd_paged
-    from .reference import fmha_fwd_paged_ref
+    from ..api.public import fmha_fwd_paged
+    from ..testing.reference import fmha_fwd_paged_ref
 
     session = _session(args)
     prob, kw = _random_problem(args, np.random.default_rng(args.seed))
@@ -123,7 +123,7 @@ def _cmd_bench(args) -> int:
     """Median time of repeated calls of the public API on one problem, and
     of the torch baseline on the same arrays: decode in GB/s of KV read,
     prefill in TFLOP/s over the visible (unmasked) scores."""
-    from .api import fmha_fwd_paged
+    from ..api.public import fmha_fwd_paged
 
     session = _session(args)
     prob, kw = _random_problem(args, np.random.default_rng(args.seed))
@@ -154,7 +154,7 @@ def _cmd_bench(args) -> int:
 def _visible(args, seqlen_k: np.ndarray) -> np.ndarray:
     """[batch, seqlen_q]: how many keys each query row sees (the runtime's
     mask rule, MaskSpec; a masked call is causal)."""
-    from .mask import MaskSpec
+    from ..calls.mask import MaskSpec
 
     mask = MaskSpec.from_args(args.mask, -1, 0 if args.mask != "none" else -1)
     sq = np.full(seqlen_k.shape, args.seqlen_q, np.int64)
@@ -196,7 +196,7 @@ def torch_gather_sdpa(args, prob, dev: str = "cpu"):
     import torch
     import torch.nn.functional as F
 
-    from .arrays import _numpy_to_torch
+    from ..core.arrays import _numpy_to_torch
 
     q, k, v, bt, seqlen_k = prob
     b, keys = bt.shape[0], bt.shape[1] * args.page

@@ -20,15 +20,14 @@ import sys
 
 import numpy as np
 
-from .arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _is_device_array, _is_torch,
+from ..core.arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _is_device_array, _is_torch,
                      _numpy_to_torch, _TensorInfo, _to_numpy, overlapping)
-from .checks import check_int, int_array
-from .interop import run_append
-from .invoke import host_array
-from .runtime import resolve_session
-from .tracing import compiling
-from .variants import KV_LAYOUTS as LAYOUTS
-from .variants import AppendKernel
+from ..core.checks import check_int, int_array
+from ..runtime.interop import run_append
+from ..runtime.invoke import host_array
+from ..runtime.session import resolve_session
+from ..kernels.variants import KV_LAYOUTS as LAYOUTS
+from ..kernels.append_kernel import AppendKernel
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", q=None, rotary_cos=None,
@@ -70,20 +69,6 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", 
 
     Returns the rotated q when q is given, else None.
     """
-    rot = dict(q=q, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim, seqlen_k=seqlen_k,
-               seqstart=seqstart, seqstart_q=seqstart_q, rotary_interleaved=rotary_interleaved, has_mask=has_mask)
-    if compiling():  # the op runs the same function when the compiled code runs
-        from . import torch_ops
-
-        return torch_ops.call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout,
-                                                session=session, device=device, **rot)
-    return write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, session=session, device=device,
-                    **rot)
-
-
-def write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, q, rotary_cos, rotary_sin, rotary_dim,
-             rotary_interleaved, seqlen_k, seqstart, seqstart_q, has_mask, session, device):
-    """reshape_and_cache, eagerly (its op's implementation)."""
     session = resolve_session(session, getattr(session, "device", "cpu") if device is None else device)
     rot = dict(q=q, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim, seqlen_k=seqlen_k,
                seqstart=seqstart, seqstart_q=seqstart_q, rotary_interleaved=rotary_interleaved, has_mask=has_mask)

@@ -40,18 +40,13 @@ import sys
 import time
 from pathlib import Path
 
-from .artifacts import MANIFEST, MANIFEST_VERSION, manifest_digest, read_manifest  # noqa: F401 (re-exported)
+from .artifacts import MANIFEST, MANIFEST_VERSION, read_manifest
 from .compiler import Cancelled, _compile_one, _Compilers, compiler_version, source_hash
 from .targets import Target, get_target
-from .variants import (
-    KERNEL_ABI,
-    AppendKernel,
-    Variant,
-    default_append_kernels,
-    gpu_default_set,
-    host_default_set,
-    target_unsupported,
-)
+from ..kernels.signature import KERNEL_ABI
+from ..kernels.append_kernel import AppendKernel
+from ..kernels.variants import Variant, target_unsupported
+from .default_sets import default_append_kernels, gpu_default_set, host_default_set
 
 LOCK = ".lock"
 # What compiling needs beyond the runtime: the `build` extra of pyproject.toml.
@@ -272,7 +267,7 @@ class _Builder:
         self.compilers = _Compilers()
 
     def render(self, variants) -> None:
-        from .kernels import render_variant
+        from ..kernels.custom_ops import render_variant
 
         for v in variants:
             if v not in self.rendered:

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from .arrays import _DeviceCache, _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy, kernel_host_array
+from ..core.arrays import _DeviceCache, _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy, kernel_host_array
 
 # Host caches a plan keeps imported (two per layer of a large model).
 MAX_KEPT_IMPORTS = 512

@@ -7,20 +7,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from .variants import (
-    FORMULATIONS,
-    GPU_DECODE_TILE,
-    GPU_DECODE_TILES,
-    GPU_PREFILL_TILE,
-    GPU_PREFILL_TILES,
-    MASKS,
-    MERGED_DECODE_TILES,
-    AppendKernel,
-    Variant,
-    group_rows_for,
-    online_unsupported,
-    online_variant,
-)
+from ..kernels.variants import FORMULATIONS, GPU_DECODE_TILE, GPU_DECODE_TILES, GPU_PREFILL_TILE, GPU_PREFILL_TILES, MASKS, MERGED_DECODE_TILES, Variant, group_rows_for, online_unsupported, online_variant
+from ..kernels.append_kernel import AppendKernel
 
 # Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
 # and MHA 8/8 for small services.

@@ -17,8 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from .checks import check_int
-from .variants import UNBOUNDED
+from ..core.checks import check_int
+from ..kernels.variants import UNBOUNDED
 
 MASK_TYPES = ("none", "top_left", "bottom_right")
 

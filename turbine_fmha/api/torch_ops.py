@@ -35,12 +35,14 @@ import itertools
 
 import torch
 
-from . import api, flash_attn, kv_write
-from .arrays import _torch_np_dtype
-from .flash_attn import conventions
-from .problem import layout_of_arrays
-from .runtime import LIVE_SESSIONS, Session
-from .tracing import check_no_grad
+import inspect
+
+from ..calls.problem import layout_of_arrays
+from ..core.arrays import _torch_np_dtype
+from ..core.tracing import check_no_grad
+from ..runtime.session import LIVE_SESSIONS, Session
+from . import eager, flash_attn, kv_write
+from .conventions import conventions, kvcache_seqlens
 
 _TENSORS = {"paged": ("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
             "kvcache": ("q", "k_cache", "v_cache", "seqlen_k")}
@@ -100,7 +102,7 @@ def _impl(kind: str, out_form: bool):
     def run(*args, **kwargs):
         kw = _arguments(kind, out_form, args, kwargs)
         kw["session"] = _session(kw["session"])
-        fn = api.fmha_fwd_paged if kind == "paged" else api.fmha_fwd_kvcache
+        fn = eager.fmha_fwd_paged if kind == "paged" else eager.fmha_fwd_kvcache
         out, lse = fn(**kw, return_lse=True)
         # An op's results are new tensors in the fake's (contiguous) layout.
         return lse.contiguous() if out_form else (out.contiguous(), lse.contiguous())
@@ -160,7 +162,7 @@ _WRITE_SCALARS = (
 def _write_impl(*args, **kwargs):
     kw = _named(_WRITE_TENSORS + _WRITE_OPTIONAL, _WRITE_SCALARS, args, kwargs)
     kw["session"] = _session(kw["session"])
-    rotated = kv_write.write_kv(**kw)
+    rotated = kv_write.reshape_and_cache(**kw)
     # An op returns a tensor: q rotated, or an empty one without q.
     return kw["k"].new_empty(0) if rotated is None else rotated.contiguous()
 
@@ -221,18 +223,31 @@ _FLASH_OP = torch.library.custom_op(
 _FLASH_OP.register_fake(_flash_fake)
 
 
-def call_flash_attn(q, k_cache, v_cache, *, window_size, return_softmax_lse, session=None, **kw):
-    """flash_attn_with_kvcache with in-call appends through its op: its
-    route while torch.compile traces it (the appends need the tables'
-    values, which only the op's eager run has)."""
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, **{n: kw.pop(n, None) for n in _FLASH_OPTIONAL})
+def call_flash_attn(**given):
+    """flash_attn_with_kvcache while torch.compile traces it: with in-call
+    appends through its op (they need the tables' values, which only the
+    op's eager run has), else as the attention call it maps to."""
+    kw = dict(_FLASH_DEFAULTS, **given)
+    if not flash_attn.appends(kw["k"], kw["v"], kw["rotary_cos"], kw["rotary_sin"]):
+        kind, args, attn = flash_attn.attention_call(**{n: kw[n] for n in _ATTENTION_CALL_ARGS})
+        return call_op(kind, **dict(zip(_POSITIONAL[kind], args)), **attn)
+    tensors = {n: kw[n] for n in _FLASH_TENSORS + _FLASH_OPTIONAL}
     if isinstance(tensors["cache_seqlens"], int):
-        tensors["cache_seqlens"] = torch.full((q.shape[0],), tensors["cache_seqlens"], dtype=torch.int64)
+        tensors["cache_seqlens"] = torch.full((kw["q"].shape[0],), tensors["cache_seqlens"], dtype=torch.int64)
     _torch_tensors_only(tensors)
-    left, right = (-1, -1) if window_size is None else window_size
-    out, lse = _FLASH_OP(**tensors, **kw, window_size_left=left, window_size_right=right,
-                         session=session_handle(session))
-    return (out, lse) if return_softmax_lse else out
+    left, right = (-1, -1) if kw["window_size"] is None else kw["window_size"]
+    scalars = {n: kw[n] for n, _, _ in _FLASH_SCALARS if n not in ("window_size_left", "window_size_right",
+                                                                    "session")}
+    out, lse = _FLASH_OP(**tensors, **scalars, window_size_left=left, window_size_right=right,
+                         session=session_handle(kw["session"]))
+    return (out, lse) if kw["return_softmax_lse"] else out
+
+
+_FLASH_DEFAULTS = {n: p.default for n, p in inspect.signature(flash_attn.flash_attn_with_kvcache).parameters.items()
+                   if p.default is not p.empty}
+_ATTENTION_CALL_ARGS = tuple(inspect.signature(flash_attn.attention_call).parameters)
+# The positional arguments of the attention calls attention_call maps to.
+_POSITIONAL = {"paged": _TENSORS["paged"], "kvcache": _TENSORS["kvcache"]}
 
 
 # -- no backward -------------------------------------------------------------
@@ -285,6 +300,18 @@ def _session(handle: int) -> Session | None:
                            "or the int is no session_handle): keep the Session alive as long as the compiled "
                            "code that uses it")
     return session
+
+
+def call_paged(**kw):
+    """fmha_fwd_paged while torch.compile traces it."""
+    return call_op("paged", **kw)
+
+
+def call_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, **kw):
+    """fmha_fwd_kvcache while torch.compile traces it (an int key count
+    becomes a tensor in the graph)."""
+    seqlen_k = kvcache_seqlens(q, k_cache, seqlen_k, cache_seqlens, kw.get("seqstart_q"))
+    return call_op("kvcache", q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k, **kw)
 
 
 def call_op(kind: str, *, q, k_cache, v_cache, seqlen_k, block_table=None, cache_batch_idx=None, out=None,

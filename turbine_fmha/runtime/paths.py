@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import env
+from ..core import env
 
 
 def user_cache_root() -> Path:
@@ -42,6 +42,6 @@ def default_compile_missing() -> bool:
     `session=`) compile a missing variant into default_cache_dir(): when the
     build extra is installed and no manifest pin is set (a pin excludes
     compiling, see Session)."""
-    from .build import missing_build_modules
+    from ..build.aot import missing_build_modules
 
     return not env.comma_list(env.MANIFEST_SHA256) and not missing_build_modules()

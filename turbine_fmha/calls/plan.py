@@ -12,10 +12,10 @@ import math
 
 import numpy as np
 
-from .arrays import ops_for
+from ..core.arrays import ops_for
 from .mask import MaskSpec
-from .signature import KERNEL_ARGS, call_args
-from .variants import Variant
+from ..kernels.signature import KERNEL_ARGS, call_args
+from ..kernels.variants import Variant
 
 # The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
 # plus probabilities; query rows are chunked to keep that under this size.

@@ -2,7 +2,7 @@
 its head counts, head dims, dtype and page sizes (an HF-style config.json or
 explicit values). `turbine-fmha build --model-config` builds it.
 
-The set is the default sets' rule (variants.plain_variants: decode and
+The set is the default sets' rule (default_sets.plain_variants: decode and
 prefill tiles, masks, the explicit fallback where the online formulation
 cannot serve; split-KV uses the same kernels) applied to the model's shape,
 plus the append kernels of its cache (PagedKVCache on a device).
@@ -15,7 +15,9 @@ import json
 from pathlib import Path
 
 from .targets import Target, get_target
-from .variants import KV_LAYOUTS, AppendKernel, Variant, plain_variants, without_v_guard
+from ..kernels.variants import KV_LAYOUTS, Variant
+from ..kernels.append_kernel import AppendKernel
+from .default_sets import plain_variants, without_v_guard
 
 # torch_dtype names in HF configs -> variant dtypes.
 HF_DTYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32"}

@@ -1,0 +1,36 @@
+"""The public functions. Each runs its eager implementation, or, while
+torch.compile traces it, goes through its torch op (torch_ops), whose
+implementation is that same eager function: one call works compiled and
+eager, and dynamo never traces the host machinery.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from ..core.tracing import compiling
+from . import eager, flash_attn, kv_write
+
+
+def _routed(fn, route: str):
+    """`fn`, or torch_ops.<route> with the same arguments by name while
+    torch.compile traces: dynamo traces this wrapper, not the eager body."""
+    names = tuple(n for n, p in inspect.signature(fn).parameters.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if compiling():
+            from . import torch_ops  # imports torch and registers the ops, once
+
+            return getattr(torch_ops, route)(**dict(zip(names, args)), **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+fmha_fwd_paged = _routed(eager.fmha_fwd_paged, "call_paged")
+fmha_fwd_kvcache = _routed(eager.fmha_fwd_kvcache, "call_kvcache")
+reshape_and_cache = _routed(kv_write.reshape_and_cache, "call_reshape_and_cache")
+flash_attn_with_kvcache = _routed(flash_attn.flash_attn_with_kvcache, "call_flash_attn")
