@@ -5,8 +5,8 @@ caches given the way a service would: torch CUDA tensors on a cuda session,
 or 64-byte aligned host arrays on the CPU. Prints the median call time and
 the functions with the most cumulative time.
 
-    python scripts/api_profile.py --device cpu --artifacts artifacts
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/api_profile.py --device cuda --artifacts artifacts-cuda
+    python benchmarks/api_profile.py --device cpu --artifacts artifacts
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/api_profile.py --device cuda --artifacts artifacts-cuda
 """
 
 from __future__ import annotations

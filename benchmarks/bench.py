@@ -590,7 +590,7 @@ def main() -> int:
         # Warm the process up first. The same CPU decode kernel also measures
         # either ~47 ms or ~110 ms depending on where its inputs landed in
         # memory (not proven: numpy asks for transparent huge pages and may
-        # not get them; docs/perf-notes.md), which warm-up does not fix.
+        # not get them; docs/devlog/perf-notes.md), which warm-up does not fix.
         first = SHAPES["cpu"][0]
         t_end = time.perf_counter() + 6.0
         while time.perf_counter() < t_end:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables from scripts/bench.py --json rows (for docs/benchmarks.md)."""
+"""Markdown tables from benchmarks/bench.py --json rows (for docs/benchmarks.md)."""
 
 import json
 import sys

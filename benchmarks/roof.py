@@ -3,8 +3,8 @@
 static, unpaged tensors of the benchmark's prefill shape, built by the same
 compiler, timed on the device like bench.py.
 
-    python scripts/roof.py --build artifacts-cuda/roof        # here: compile
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/roof.py --run artifacts-cuda/roof   # on the GPU
+    python benchmarks/roof.py --build artifacts-cuda/roof        # here: compile
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/roof.py --run artifacts-cuda/roof   # on the GPU
 
 Shape: 32 heads (the GQA 32/8 K/V repeated to 32 heads: the roof reads
 each head's K/V once), 4096 x 4096, head dim 128, f16, NO mask. Causal

@@ -6,9 +6,9 @@ tensors, tables planned once. Prints medians over many calls of: run();
 the kernel alone (its invoke on device-resident arguments, back to back);
 run()'s steps timed in place; and a one-shot fmha_fwd_paged. GPU clocks
 drift during a run, so run() and the kernel are timed twice, interleaved:
-compare neighbours. docs/perf-notes.md has the story.
+compare neighbours. docs/devlog/perf-notes.md has the story.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/run_overhead.py --artifacts artifacts-cuda
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/run_overhead.py --artifacts artifacts-cuda
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ keeps them (read in place), tables planned once:
   something evicted the caches, as a large kernel does;
 - decode b8 x 2048 keys, back to back (its kernel reads 67 MB of K/V).
 
-    python3 scripts/run_overhead_cpu.py [--artifacts DIR]
+    python3 benchmarks/run_overhead_cpu.py [--artifacts DIR]
 """
 
 from __future__ import annotations

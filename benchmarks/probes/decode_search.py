@@ -3,8 +3,8 @@
 module against edited copies of it, compiled here, verified against the
 shipped module's output and timed there in one run.
 
-    python scripts/decode_search.py --build build/decode-search        # here
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/decode_search.py --run build/decode-search
+    python benchmarks/probes/decode_search.py --build build/decode-search        # here
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/decode_search.py --run build/decode-search
 
 Shape: bench.py's decode (batch 32 x 4096 keys, GQA 32/8, hdim 128, page 16,
 fp16). Edits are textual on the rendered module so that each experiment
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 B, KEYS, HQ, HK, D, PAGE = 32, 4096, 32, 8, 128, 16
 G = HQ // HK

@@ -11,7 +11,7 @@ the kernels' own time per call and the idle time between them. torch
 gather+SDPA is timed the same way. `--flag` passes IREE runtime flags
 (process-wide, parsed before the device exists).
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_decode_span.py --artifacts artifacts-cuda
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_decode_span.py --artifacts artifacts-cuda
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HQ, HK, D, PAGE = 32, 8, 128, 16

@@ -6,7 +6,7 @@ torch's, so a PagedAttention.run() on torch CUDA tensors shows each
 dispatch of the module it runs and what each costs, next to the time of a
 whole call back to back.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_dispatch_profile.py --artifacts artifacts-cuda
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_dispatch_profile.py --artifacts artifacts-cuda
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 # (batch, keys, fp8 cache format or None)

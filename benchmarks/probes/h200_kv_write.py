@@ -11,8 +11,8 @@ checked on the host afterwards.
   host mirror (NHD and HND pages), then attention on it against the float64
   reference.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_kv_write.py --artifacts artifacts-cuda
-    python scripts/h200_kv_write.py --device cpu --cache build/test-cache   # dry run here (compiles)
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_kv_write.py --artifacts artifacts-cuda
+    python benchmarks/probes/h200_kv_write.py --device cpu --cache build/test-cache   # dry run here (compiles)
 
 --list-kernels prints the append kernels it needs (to build for cuda).
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import turbine_fmha  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 

@@ -3,7 +3,7 @@
 sequences' pages at its end (tests/test_large.py, on the GPU), checked
 against the float64 reference.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_large_pool.py --artifacts artifacts-cuda
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_large_pool.py --artifacts artifacts-cuda
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import turbine_fmha  # noqa: E402
 from turbine_fmha.cache import aligned_zeros  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402

@@ -12,7 +12,7 @@ float64 reference.
   finite and exact.
 - A torch CUDA out that overlaps the K cache is refused by name.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_reliability.py --artifacts artifacts-cuda
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_reliability.py --artifacts artifacts-cuda
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import turbine_fmha  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 

@@ -13,7 +13,7 @@ stale-row guard run. Then
 times PagedAttention.run() of the GQA 32/8 shapes with each directory,
 rounds interleaved, and torch gather+SDPA in the same run.
 
-  python3 scripts/h200_runtime_heads.py --device cuda --static artifacts-h200s \
+  python3 benchmarks/probes/h200_runtime_heads.py --device cuda --static artifacts-h200s \
       --group artifacts-h200rt --any-online artifacts-h200anyon --hnd artifacts-h200hnd \
       --any artifacts-h200any
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import turbine_fmha  # noqa: E402
 from turbine_fmha.arrays import np_dtype  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402

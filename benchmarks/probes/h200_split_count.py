@@ -6,7 +6,7 @@ the artifacts hold that count, guarded and not), the call is verified against th
 with its per-dispatch device times (torch.profiler), next to torch
 gather+SDPA in the same process.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_split_count.py --artifacts artifacts-h200
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_split_count.py --artifacts artifacts-h200
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from h200_dispatch_profile import _back_to_back, decode_problem, dispatch_times  # noqa: E402
 
 HQ, HK, D, PAGE = 32, 8, 128, 16

@@ -13,7 +13,7 @@ non-paged cache (cache_batch_idx, an int cache_seqlens); a q that requires
 grad, which must be refused. One PASS or FAIL line per case; exit status 1
 if any failed.
 
-    python3 scripts/h200_torch_compile.py --artifacts artifacts-cuda
+    python3 benchmarks/probes/h200_torch_compile.py --artifacts artifacts-cuda
 
 `--device cpu --cache DIR` runs the same on the CPU, compiling missing
 kernels into DIR (a dry run of this script; needs the compiler).
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import turbine_fmha  # noqa: E402
 from turbine_fmha.flash_attn import flash_attn_with_kvcache  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402

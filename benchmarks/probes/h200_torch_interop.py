@@ -10,7 +10,7 @@ a non-paged cache with cache_batch_idx into a preallocated torch out; batch-1 lo
 the GPU); a varlen (group mode) prefill+decode batch; and a CUDA tensor
 handed to a "cpu" session, which must be refused.
 
-    PYTHONPATH=<site with iree-base-runtime> python3 scripts/h200_torch_interop.py --artifacts artifacts-cuda
+    PYTHONPATH=<site with iree-base-runtime> python3 benchmarks/probes/h200_torch_interop.py --artifacts artifacts-cuda
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import turbine_fmha  # noqa: E402
 from turbine_fmha.reference import fmha_fwd_paged_ref  # noqa: E402
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Times and checks hand-configured builds of one variant (lowering-config
-experiments, docs/perf-notes.md): each vmfb is a compile of `--variant` with
+experiments, docs/devlog/perf-notes.md): each vmfb is a compile of `--variant` with
 a substituted executable configuration (iree-compile
 --iree-hal-substitute-executable-configuration). Runs the benchmark's decode
 or prefill shape on the device, checks the output against the float64
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench
 import iree.runtime as rt  # noqa: E402
 
 from turbine_fmha.invoke import _Loaded  # noqa: E402

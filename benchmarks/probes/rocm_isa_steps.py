@@ -6,11 +6,11 @@ artifacts for gfx942 and gfx950 and reads one iteration of each attention
 dispatch's main loop from the assembly IREE dumps (turbine_fmha.isa
 main_loop): MFMA, VALU, SALU, LDS and global-load instructions, with the
 kernel's registers and occupancy. Next to them: the "roof", IREE's own
-attention on plain static unpaged tensors (scripts/roof.py's module,
+attention on plain static unpaged tensors (benchmarks/roof.py's module,
 32 x 4096 x 4096, head dim 128, f16, no mask), with IREE's configuration
 and with the tuning specs IREE ships (--iree-codegen-enable-default-tuning-specs).
 
-    python scripts/rocm_isa_steps.py [--json out.json]
+    python benchmarks/probes/rocm_isa_steps.py [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: roof
 
 VARIANTS = (
     "pagedkv_fwd_f16_d128x128_h32x8_pg16_mbr_lse_online_b1_q128_nvguard",
