@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
 .venv/bin/turbine-fmha build --targets host --artifacts artifacts
-.venv/bin/python scripts/demo.py --artifacts artifacts "$@"
+.venv/bin/python examples/demo.py --artifacts artifacts "$@"

@@ -189,7 +189,7 @@ def test_gpu_default_set_compiles(target):
             # small mask-producer dispatch since per-sequence seqlen_q and
             # kv_shift inputs exist; the bf16 attention dispatches with
             # run-time head counts spill 4-18 SGPRs the same way on gfx942.
-            # Both recorded in docs/perf-notes.md.
+            # Both recorded in docs/devlog/perf-notes.md.
             assert all(k["vgpr_spill_count"] == 0 for k in isa["kernels"]), (v.name, isa)
         else:
             assert isa["spills"] == 0, (v.name, isa)
@@ -200,7 +200,7 @@ def test_gpu_default_set_compiles(target):
 def _per_head(v: Variant) -> bool:
     # Variants with per-head score terms (ALiBi, a bias with a head axis)
     # loop over query heads; IREE 3.13 gives those attention dispatches no
-    # MFMA/MMA configuration (docs/perf-notes.md). Correct, but slow.
+    # MFMA/MMA configuration (docs/devlog/perf-notes.md). Correct, but slow.
     return v.per_head_terms
 
 
@@ -275,7 +275,7 @@ def test_append_kernel_names_roundtrip():
 def test_decode_keeps_its_mask_when_only_that_variant_is_built(tmp_path, rng):
     """One-row bottom-right decode may run a mask-free kernel, but only one
     the session has: with just the causal sink variant built, the call
-    must use it (scripts/demo.py once failed this way)."""
+    must use it (examples/demo.py once failed this way)."""
     v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right", sinks=True)
     tfb.build(tmp_path, ["host"], [v])
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)

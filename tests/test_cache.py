@@ -334,7 +334,7 @@ def test_device_pools_are_allocated_past_the_call_buffer_pool(explicit_session, 
     (runtime.DEFAULT_CUDA_ALLOCATORS): that allocator hands exportable
     buffers to the device allocator underneath it, and on the H200 3 GiB
     of held pooled buffers made every decode call 2-3x slower
-    (docs/perf-notes.md). The CPU has no caching allocator, so this checks
+    (docs/devlog/perf-notes.md). The CPU has no caching allocator, so this checks
     the buffers' usage, which is what routes them."""
     import iree.runtime as rt
 

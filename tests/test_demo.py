@@ -1,4 +1,4 @@
-"""The README's first command runs scripts/demo.py over the default host
+"""The README's first command runs examples/demo.py over the default host
 artifacts; here it runs with the variants it needs compiled into the test
 cache, so that a change the demo depends on cannot land broken."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import CACHE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import demo  # noqa: E402
 
 
