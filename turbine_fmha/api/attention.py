@@ -188,7 +188,7 @@ class _Plan:
             limit = self.session.decode_batch_limit(split_key)
             return decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, call.batch, limit), 0
         # Work items: sequences x query heads x 64-row query blocks, as in
-        # ck_tile (docs/perf-notes.md has the measurements behind it).
+        # ck_tile (docs/devlog/perf-notes.md has the measurements behind it).
         work = call.batch * lay.nhead_q * -(-self.rows // 64)
         return num_splits_heuristic(work, self.session.compute_units, keys), 0
 

@@ -138,7 +138,7 @@ def _any_group_gpu_defaults() -> list[Variant]:
     # (every split count fits one launch of it) and the 128- and 1024-row
     # prefill tiles: the GPU set's compile time stays within CI's.
     # The same over HND pages, whose rows stay hdim apart whatever the head
-    # count: there run-time heads cost nothing (docs/perf-notes.md).
+    # count: there run-time heads cost nothing (docs/devlog/perf-notes.md).
     out = [v for dtype in ("f16", "bf16")
            for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2],
                                               [(t, n) for t, n in MERGED_DECODE_TILES if t == 128])]

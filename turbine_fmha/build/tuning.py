@@ -4,7 +4,7 @@ IREE 3.13's default configuration for the online_attention dispatch tiles
 the workgroup along the output's head dim (V's columns): each workgroup then
 recomputes the whole Q.K^T for a quarter of the output. Keeping the head
 dim whole roughly halved decode and prefill times on the H200, with
-identical results (docs/perf-notes.md). The remaining fields of IREE's own
+identical results (docs/devlog/perf-notes.md). The remaining fields of IREE's own
 configuration are kept.
 
 Applied by compiling twice: once to the executable configurations (which

@@ -24,7 +24,7 @@ SCORE_BYTES_BUDGET = 256 << 20
 # also chunked this finely, and each chunk's block table is cut after the
 # last page its rows can see: the fully masked blocks past the diagonal are
 # never computed (ck_tile skips them the same way). The size is measured
-# (docs/perf-notes.md, "Masked-block skipping").
+# (docs/devlog/perf-notes.md, "Masked-block skipping").
 MASKED_CHUNK_ROWS = 64
 # Split-KV: a split covers at least this many keys.
 MIN_KEYS_PER_SPLIT = 512
@@ -33,7 +33,7 @@ MAX_SPLITS = 64
 # (sequence, KV head): a GPU compute unit needs about this many at once to
 # keep loads in flight. On the H200, b32 x 4096 keys (256 items) ran 0.76 ms
 # unsplit, 0.53 ms in 2 splits, 0.33 ms in 4 and 0.32 ms in 8
-# (docs/perf-notes.md). The merge of the partials, though, is ~30 torch
+# (docs/devlog/perf-notes.md). The merge of the partials, though, is ~30 torch
 # operations after the kernel (~1.7 ms on the H200), so without a variant
 # that merges them in the module (Variant.merge_splits) a decode splits only
 # when it has fewer items than compute units.
@@ -41,7 +41,7 @@ DECODE_ITEMS_PER_UNIT = 8
 # Splits whose partials the module merges (Variant.merge_splits) cost no
 # host merge, and shorter ones paid off: on the H200, b1 x 32k keys ran its
 # attention dispatch in 85 us as 64 splits of 512 keys and in 59 us as 128
-# of 256 (docs/h200_split_count.log).
+# of 256 (benchmarks/results/2026-12-01-f4eb3fd/h200_split_count.log).
 MIN_KEYS_PER_MERGED_SPLIT = 256
 MAX_MERGED_SPLITS = 128
 # The kernel arguments each run brings, first in the signature's order; a

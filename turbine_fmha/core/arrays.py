@@ -224,7 +224,7 @@ class _Results:
             # On the GPU every argument goes in as torch memory imported through
             # DLPack: q as padded on the device, the small host arrays after one
             # copy each. IREE's own per-call uploads allocated device memory
-            # for each, which cost more than the kernel (scripts/api_profile.py).
+            # for each, which cost more than the kernel (benchmarks/api_profile.py).
             import torch
 
             arg_lists = [[a if _is_device_array(a) else self.session.import_torch(

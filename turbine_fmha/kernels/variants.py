@@ -97,7 +97,7 @@ class Variant(Named):
     # matrix cores when those rows are at most 4 (a decode with a group of
     # 4), and mma.sync / MFMA tiles are 16 rows; padded, a decode reads each
     # K/V page once per KV head instead of once per query head
-    # (docs/perf-notes.md).
+    # (docs/devlog/perf-notes.md).
     group_rows: int = dataclasses.field(default=0, metadata=number(19, "_m", omit=0))
     # Split-KV merged inside the module (online only; 0 = no merge): the
     # kernel's batch_tile entries are split j of sequence b at entry
@@ -116,7 +116,7 @@ class Variant(Named):
     # Page layout of both caches (KV_LAYOUTS). With head-major pages a
     # page's rows of one head are a fixed hdim apart whatever the head
     # count, which keeps the addressing of run-time-head variants static
-    # (docs/perf-notes.md, "Run-time head counts").
+    # (docs/devlog/perf-notes.md, "Run-time head counts").
     kv_layout: str = dataclasses.field(default="NHD", metadata=enum(6.5, {"NHD": "", "HND": "_hnd"}))
 
     def __post_init__(self):
@@ -285,7 +285,7 @@ PROBLEM_FIELDS = (
 # launch of the 128 tile);
 # prefill in 128-row chunks for short prompts and 4096-row chunks for long
 # ones (one launch instead of 32: 21 ms vs 35 ms for a 4096 causal prefill
-# on the H200, docs/perf-notes.md), and 1024-row chunks that a causal
+# on the H200, docs/devlog/perf-notes.md), and 1024-row chunks that a causal
 # prefill cuts at the diagonal (3.60 ms against 4.12 for one 4096-row call).
 # The runtime picks the least padding, then the fewest launches (for a
 # prefill with a right mask edge: the least modelled time,
@@ -299,7 +299,7 @@ GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 # i.e. 66-132 kernel entries on an H200 for long keys: tile 128 for each
 # count, 64 and 32 where short keys or small batches make fewer entries (a
 # call that takes two launches pays ~0.5 ms more on the host than one that
-# takes one: docs/perf-notes.md).
+# takes one: docs/devlog/perf-notes.md).
 MERGED_DECODE_TILES = (tuple((128, n) for n in (2, 4, 8, 16, 32, 64, 128)) + tuple((64, n) for n in (8, 16, 32, 64))
                        + tuple((32, n) for n in (4, 8, 16, 32)))
 MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))

@@ -61,7 +61,7 @@ class DeviceInterop:
         live buffer it hands out against its capacity: long-lived ones would
         use it up, and each call's buffers would then be a synchronous
         cuMemAlloc and a device-synchronizing cuMemFree (decodes 2-3x
-        slower on the H200 with 3 GiB held; docs/perf-notes.md)."""
+        slower on the H200 with 3 GiB held; docs/devlog/perf-notes.md)."""
         import iree.runtime as rt
 
         # IREE's caching allocator routes exportable buffers to the device
@@ -145,7 +145,7 @@ class DeviceInterop:
         """New torch tensors on this session's device holding copies of
         DeviceArrays, made by IREE queue copies into the tensors' memory
         (imported through DLPack), waited for once before returning.
-        Verified on CUDA (scripts/h200_torch_interop.py); the CPU driver
+        Verified on CUDA (benchmarks/probes/h200_torch_interop.py); the CPU driver
         never needs it (it exports) and refuses queue copies into imported
         torch memory."""
         import torch

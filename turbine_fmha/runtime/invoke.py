@@ -115,7 +115,7 @@ class _Call:
         """Returns once the call's device work is done. On a GPU the thread
         first polls for up to SPIN_SECONDS: a thread that sleeps in the wait
         wakes late and cold, which cost ~0.1 ms per decode call on the H200
-        (docs/perf-notes.md). CPU kernels run on this machine's cores, so
+        (docs/devlog/perf-notes.md). CPU kernels run on this machine's cores, so
         the host never spins there."""
         if self.done is None:
             return

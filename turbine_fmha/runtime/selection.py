@@ -30,7 +30,7 @@ def _heads_rank(v: Variant) -> int:
 
 # What one more prefill launch costs, in score elements (query rows x keys)
 # of work: fit to the H200's causal 4096 prefill cut at the diagonal in row
-# tiles of 512-4096 (docs/perf-notes.md, "Causal prefill in 1024-row
+# tiles of 512-4096 (docs/devlog/perf-notes.md, "Causal prefill in 1024-row
 # chunks": time ~ 0.23 ms per million elements + 0.31 ms per launch).
 PREFILL_LAUNCH_ELEMENTS = 1_400_000
 
@@ -86,7 +86,7 @@ class VariantSelection:
         def cost(v: Variant):
             # Least padded work first, then fewest kernel calls; for a decode
             # the other way round: one more launch costs more host time than
-            # padded batch entries cost on the device (docs/perf-notes.md).
+            # padded batch entries cost on the device (docs/devlog/perf-notes.md).
             # At equal cost, a built variant before compiling one, then the
             # most specialized heads.
             tail = (v.v_guard, v.name not in self._index, _heads_rank(v))

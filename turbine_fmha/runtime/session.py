@@ -41,7 +41,7 @@ from .paths import default_artifact_dir, default_cache_dir, default_compile_miss
 # The default pools device buffers freed by calls
 # (results, transients) for reuse: plain CUDA allocations (which DLPack
 # needs) are a synchronous cuMemAlloc and a device-synchronizing cuMemFree
-# each, and a decode call's kernels waited for them (docs/perf-notes.md).
+# each, and a decode call's kernels waited for them (docs/devlog/perf-notes.md).
 # Buffers up to 256 MiB are pooled, at most 2 GiB and 256 buffers retained:
 # each call in flight holds its own result and transient buffers, and with
 # 64 a queue of 200 decode calls released most of them with cuMemFree,
@@ -276,7 +276,7 @@ class Session(VariantSelection, DeviceInterop):
         loaded = self._load(variant)
         self._tls.last_variant = variant
         # No call waits for the one before it: IREE's allocations would wait
-        # on the host, idling the device meanwhile (docs/perf-notes.md).
+        # on the host, idling the device meanwhile (docs/devlog/perf-notes.md).
         calls = []
         try:
             for i, args in enumerate(arg_lists):
@@ -301,7 +301,7 @@ _TOPOLOGY_SET = False
 
 def _set_cpu_topology_once() -> None:
     """One local-task worker per CPU this process may run on: IREE's
-    default topology ran the CPU kernels about 2x slower (docs/perf-notes.md).
+    default topology ran the CPU kernels about 2x slower (docs/devlog/perf-notes.md).
     Flags are process-wide and must precede the first local-task device, so
     this runs once; $TURBINE_FMHA_CPU_THREADS overrides the count.
     """
@@ -351,7 +351,7 @@ def _shared_config(driver: str):
             if driver == "cuda" and not env.switch(env.CUDA_ASYNC_ALLOCATIONS):
                 # Plain allocations for results: torch can then take them
                 # zero-copy (DLPack refuses stream-ordered ones), which cut
-                # 0.3 ms from a decode call on the H200 (docs/benchmarks.md).
+                # 0.3 ms from a decode call on the H200 (docs/devlog/benchmarks-history.md).
                 # Process-wide, like every IREE flag: it applies to CUDA
                 # devices created after it.
                 rt.flags.parse_flags("--cuda_async_allocations=false")
