@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,40 @@ from turbine_fmha.core.arrays import np_dtype  # noqa: F401 (tests import it fro
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 CACHE = Path(os.environ.get("TURBINE_FMHA_TEST_CACHE", Path(__file__).resolve().parent.parent / "build" / "test-cache"))
+# The host kernels the suite's sessions compile on demand into CACHE, built
+# together before the first test, in parallel: one by one, as tests meet
+# them, they were most of a fresh suite's time. A kernel missing from the
+# list is still compiled when a test needs it; a stale name is skipped.
+# TURBINE_FMHA_RECORD_KERNELS=1 rewrites the list from CACHE at the end of
+# a run (do it on a fresh cache, with the whole suite).
+KERNELS = Path(__file__).resolve().parent / "kernels.txt"
 
 
+def pytest_sessionstart(session):
+    from turbine_fmha.build import aot
+    from turbine_fmha.kernels.variants import parse_kernel
+
+    kernels = []
+    for name in KERNELS.read_text().split():
+        try:
+            kernels.append(parse_kernel(name))
+        except ValueError:
+            print(f"tests/kernels.txt: skipping {name} (no longer a kernel name)")
+    t0 = time.perf_counter()
+    results = aot.build(CACHE, ["host"], kernels, jobs=os.cpu_count())
+    compiled = sum(r.rebuilt for r in results)
+    if compiled:
+        print(f"\nprebuilt {len(results)} host kernels into {CACHE} ({compiled} compiled) in "
+              f"{time.perf_counter() - t0:.0f} s")
+
+
+def pytest_sessionfinish(session):
+    if os.environ.get("TURBINE_FMHA_RECORD_KERNELS") == "1":
+        import json
+
+        m = json.loads((CACHE / "manifest.json").read_text())
+        names = sorted({a["variant"] for a in m["artifacts"] if a["target"] == "host"})
+        KERNELS.write_text("\n".join(names) + "\n")
 
 
 @pytest.fixture(scope="session")

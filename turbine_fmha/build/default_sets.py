@@ -206,3 +206,38 @@ def default_append_kernels(gpu: bool) -> list[AppendKernel]:
     if gpu:
         return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16", "i8") for page in (16, 64)]
     return [AppendKernel(dt, 8, hd, hd, page) for dt in ("f16", "bf16", "f32") for hd in DEFAULT_HDIMS for page in DEFAULT_PAGES]
+
+
+def check_set(variants: list[Variant]) -> list[Variant]:
+    """The distinct kernels of a set, for compile checks: a few dozen that
+    hold every value of every field the kernels specialize on (template
+    path and tile family, dtype, cache format, head dims, page, mask, each
+    score term and bias shape, layouts, the V guard, head counts, batch and
+    row tiles, merged splits, group padding) and the pairs that choose a
+    kernel's structure (dtype, head dims and guard by tile family; layout by
+    head counts and tile family). Picked greedily, in the set's order, so
+    the same set gives the same kernels."""
+
+    def family(v: Variant) -> str:
+        if v.formulation == "explicit":
+            return "explicit"
+        return "merged" if v.merge_splits else ("decode" if v.batch_tile > 1 else "prefill")
+
+    def values(v: Variant) -> set:
+        heads = "exact" if not v.runtime_heads else ("group" if v.group else "any")
+        fields = dict(formulation=v.formulation, dtype=v.dtype, kv_dtype=v.kv_dtype, hdims=(v.hdim_q, v.hdim_v),
+                      page=v.page_block_size, mask=v.mask, bias=(v.bias, v.bias_shape), softcap=v.softcap,
+                      sinks=v.sinks, kv_layout=v.kv_layout, v_layout=v.v_layout, v_guard=v.v_guard, heads=heads,
+                      family=family(v), batch_tile=v.batch_tile, seqlen_q_tile=v.seqlen_q_tile,
+                      merge_splits=v.merge_splits, group_rows=v.group_rows,
+                      dtype_family=(v.dtype, family(v)), hdims_family=((v.hdim_q, v.hdim_v), family(v)),
+                      guard_family=(v.v_guard, family(v)), layout_heads=(v.kv_layout, heads, family(v)))
+        return set(fields.items())
+
+    wanted = set().union(*map(values, variants)) if variants else set()
+    chosen, covered = [], set()
+    while covered != wanted:
+        best = max(variants, key=lambda v: len(values(v) - covered))
+        chosen.append(best)
+        covered |= values(best)
+    return chosen

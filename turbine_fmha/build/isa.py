@@ -112,3 +112,33 @@ def cuda_isa_report(dump_dir: Path) -> dict:
         "mma_count": len(re.findall(r"\bmma\.sync\b", ptx)),
         "local_memory_bytes": sum(int(x) for x in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\]", ptx)),
     }
+
+
+def isa_problems(variant, isa: dict, target: str) -> list[str]:
+    """What is wrong with a GPU artifact's ISA report for the way the
+    library ships `variant` (empty when nothing is): the CUDA online
+    kernels take turbine_fmha's tuned configuration, and prefill tiles use
+    the matrix cores (mma.sync / MFMA) unless per-head score terms loop over
+    heads (IREE 3.13 configures those with no matrix cores:
+    docs/devlog/perf-notes.md); on ROCm, no scratch and no spills (SGPRs
+    spilled into VGPR lanes are allowed on gfx90a and in the kernels for
+    run-time head counts, where IREE spills 4-18 in the mask producer and
+    the bf16 attention dispatch, with no scratch)."""
+    problems = []
+    prefill = variant.seqlen_q_tile > 1 and not variant.per_head_terms
+    if target == "cuda":
+        if variant.formulation == "online" and not str(isa.get("attention_config") or "").startswith("tuned"):
+            problems.append(f"attention configuration {isa.get('attention_config')!r}, not turbine_fmha's")
+        if prefill and not isa.get("mma_count"):
+            problems.append("a prefill tile without mma.sync")
+        return problems
+    if isa.get("scratch_bytes"):
+        problems.append(f"{isa['scratch_bytes']} bytes of scratch")
+    if target == "gfx90a" or variant.runtime_heads:
+        if any(k["vgpr_spill_count"] for k in isa.get("kernels", [])):
+            problems.append("VGPR spills")
+    elif isa.get("spills"):
+        problems.append(f"{isa['spills']} spills")
+    if prefill and not isa.get("mfma_count"):
+        problems.append("a prefill tile without MFMA")
+    return problems
