@@ -8,8 +8,10 @@ template parameters and the kernel's name come from the Variant itself.
 `render_variant` drives the same machinery for ahead-of-time builds and
 returns the MLIR module text that `turbine_fmha.build` hands to iree-compile.
 
-The templates are package data (turbine_fmha/templates/);
-TURBINE_FMHA_MLIR_DIR overrides their directory.
+The templates live in the repository's top-level mlir/ (one copy): a wheel
+ships them as package data, mapped into the package as turbine_fmha/mlir/
+(pyproject.toml). `mlir_dir` finds either; TURBINE_FMHA_MLIR_DIR overrides
+it.
 
 Imports torch and iree-turbine: build-time only. The runtime does not need
 this module.
@@ -34,21 +36,36 @@ _TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float
 _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 
+# A file every template directory holds (mlir_dir tells them by it).
+_SKELETON = "pagedkv_fwd_online.mlir.jinja"
+
+
 def mlir_dir() -> Path:
-    """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package's."""
-    return env.directory(env.MLIR_DIR) or Path(__file__).resolve().parent / "templates"
+    """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package
+    data of an installed wheel (turbine_fmha/mlir/), else the source
+    checkout's top-level mlir/ (the same files: pyproject.toml maps them
+    into the package)."""
+    override = env.directory(env.MLIR_DIR)
+    if override:
+        return override
+    package = Path(__file__).resolve().parent
+    for d in (package / "mlir", package.parent / "mlir"):
+        if (d / _SKELETON).is_file():
+            return d
+    raise FileNotFoundError(f"no kernel templates next to {package} (mlir/ or ../mlir/); "
+                            f"${env.MLIR_DIR} names a directory of them")
 
 
 class PackageJinjaLoader(TemplateLoader):
-    """Loads `<name>.mlir.jinja` from the package's templates (or the
-    TURBINE_FMHA_MLIR_DIR override)."""
+    """Loads `<name>.mlir.jinja` from `directory`, by default mlir_dir()
+    (the package's templates or the TURBINE_FMHA_MLIR_DIR override)."""
 
     def __init__(self, directory: Path | None = None):
-        from jinja2 import Environment, FileSystemLoader, PackageLoader, StrictUndefined
+        from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-        directory = directory or env.directory(env.MLIR_DIR)
-        loader = FileSystemLoader(str(directory)) if directory else PackageLoader("turbine_fmha", "templates")
-        self.env = Environment(loader=loader, undefined=StrictUndefined, keep_trailing_newline=True)
+        self.directory = directory or mlir_dir()
+        self.env = Environment(loader=FileSystemLoader(str(self.directory)), undefined=StrictUndefined,
+                               keep_trailing_newline=True)
 
     def render(self, name: str, **kwargs) -> str:
         return self.env.get_template(f"{name}.mlir.jinja").render(**kwargs)
