@@ -19,6 +19,7 @@ this module.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -187,17 +188,37 @@ class _PagedKVFwd(CustomOp):
 
 
 def template_params(v: Variant) -> dict:
-    """What the forward templates specialize on, for variant `v`."""
+    """What the forward templates specialize on, for variant `v`: the
+    shapes, types and layouts, the score terms (TERMS, each a file
+    mlir/terms/<term>.mlir.jinja whose hooks the skeletons call) and
+    `operands`, which generates the operand lists and block arguments of
+    the elementwise generics from the signature's declarations
+    (signature.operands). The few structural decisions of the online
+    skeleton are taken here, from the variant and its operands."""
     types = sig.fwd_types(v)
     args = [a for a in sig.FWD.args if sig.present(v, a)]
+    heads = head_params(v)
+    # The terms' tensors read per score: the online kernels' mask carries
+    # them (an additive f32 mask, else the i1 visibility), and one with a
+    # query-head axis makes them loop over query heads (one mask per head).
+    terms_read = [o for o in sig.operands(types, args, "scores", B="b", HQ="h", S="m", N="n")
+                  if o.name in sig.OPTIONAL_ARGS]
+    bt, mq, gp = v.batch_tile, v.seqlen_q_tile, v.padded_group
     return dict(
-        sig=sig.mlir_header(sig.FWD, args, types), **head_params(v),
-        dt=types.dtypes["Q"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
+        sig=sig.mlir_header(sig.FWD, args, types), **heads,
+        dt=types.dtypes["Q"], KDT=types.dtypes["KV"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
         HND=v.kv_layout == "HND", VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""),
-        QF8=v.static_quant,
-        V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
-        SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, GP=v.padded_group, UNBOUNDED=UNBOUNDED,
-        MERGE=v.merge_splits,
+        V_GUARD=v.v_guard, mask=v.mask, UNBOUNDED=UNBOUNDED,
+        TERMS=sig.score_terms(v), operands=functools.partial(sig.operands, types, args), operand=sig.Operand,
+        # The probabilities' type at the PV product (explicit): f16 under
+        # static quantization, whose fp8 values it holds exactly.
+        PDT="f16" if v.static_quant else types.dtypes["Q"],
+        # Online: batch tile, query rows, the split-KV merge (BO query
+        # sequences of MERGE splits each), the group padded to GP query
+        # heads per KV head (PAD; dynamic for any group) and the per-head loop.
+        BT=bt, MQ=mq, GP=gp, MERGE=v.merge_splits, BO=bt // v.merge_splits if v.merge_splits else bt,
+        PAD=heads["G"] == "?" or gp > heads["G"],
+        PER_HEAD=any(o.heads for o in terms_read), MASK_ET="f32" if terms_read else "i1",
     )
 
 
