@@ -78,10 +78,12 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_ships_every_module_and_template(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    package = REPO / "turbine_fmha"
-    expected = {f"turbine_fmha/{p.relative_to(package).as_posix()}"
-                for p in (*package.rglob("*.py"), *package.glob("templates/*.mlir.jinja"))}
-    assert any(n.startswith("turbine_fmha/templates/") for n in expected)
+    package, templates = REPO / "turbine_fmha", REPO / "mlir"
+    expected = {f"turbine_fmha/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")}
+    # The templates: the repository's mlir/, inside the package (pyproject's package-dir).
+    expected |= {f"turbine_fmha/mlir/{p.relative_to(templates).as_posix()}"
+                 for p in templates.rglob("*.mlir.jinja")}
+    assert any(n.startswith("turbine_fmha/mlir/terms/") for n in expected)
     assert expected <= names, sorted(expected - names)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import fnmatch
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -22,7 +23,7 @@ from turbine_fmha.kernels.variants import Variant
 from turbine_fmha.build.default_sets import default_append_kernels, gpu_default_set, host_default_set
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = ROOT / "turbine_fmha" / "templates"
+TEMPLATES = ROOT / "mlir"
 
 ALL = list(dict.fromkeys(gpu_default_set() + host_default_set()))
 
@@ -133,21 +134,35 @@ def test_no_identity_ops(v):
 
 
 def test_templates_add_no_zero():
-    for path in TEMPLATES.glob("*.jinja"):
+    for path in TEMPLATES.rglob("*.jinja"):
         assert not re.search(r"arith\.addf[^\n]*%zero", path.read_text()), path.name
 
 
 def test_templates_are_package_data():
-    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = conf["tool"]["setuptools"]["package-data"]["turbine_fmha.templates"]
-    names = [p.name for p in TEMPLATES.iterdir() if p.name != "__pycache__"]
-    assert names and all(any(fnmatch.fnmatch(n, p) for p in patterns) for n in names)
+    """Every file under mlir/ is package data of the package that
+    pyproject.toml maps onto its directory."""
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert conf["package-dir"]["turbine_fmha.mlir"] == "mlir"
+    files = [p.relative_to(TEMPLATES) for p in TEMPLATES.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert files
+    for f in files:
+        package = ".".join(("turbine_fmha.mlir",) + f.parent.parts)
+        assert package in conf["packages"], f
+        assert any(fnmatch.fnmatch(f.name, p) for p in conf["package-data"][package]), f
     assert kernels.mlir_dir() == TEMPLATES or kernels.mlir_dir().is_dir()
 
 
+def test_every_package_is_listed():
+    """pyproject.toml lists the packages (the mapped templates package
+    rules out setuptools' `find`): every directory of Python under
+    turbine_fmha/ must be one of them, or the wheel leaves it out."""
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "turbine_fmha").rglob("*.py")}
+    assert found <= set(conf["packages"]), sorted(found - set(conf["packages"]))
+
+
 def test_template_dir_override(tmp_path, monkeypatch):
-    for path in TEMPLATES.glob("*.jinja"):
-        (tmp_path / path.name).write_text(path.read_text())
+    shutil.copytree(TEMPLATES, tmp_path, dirs_exist_ok=True)
     append = tmp_path / "pagedkv_append.mlir.jinja"
     append.write_text("// overridden\n" + append.read_text())
     monkeypatch.setenv("TURBINE_FMHA_MLIR_DIR", str(tmp_path))

@@ -8,8 +8,10 @@ template parameters and the kernel's name come from the Variant itself.
 `render_variant` drives the same machinery for ahead-of-time builds and
 returns the MLIR module text that `turbine_fmha.build` hands to iree-compile.
 
-The templates are package data (turbine_fmha/templates/);
-TURBINE_FMHA_MLIR_DIR overrides their directory.
+The templates live in the repository's top-level mlir/ (one copy): a wheel
+ships them as package data, mapped into the package as turbine_fmha/mlir/
+(pyproject.toml). `mlir_dir` finds either; TURBINE_FMHA_MLIR_DIR overrides
+it.
 
 Imports torch and iree-turbine: build-time only. The runtime does not need
 this module.
@@ -17,6 +19,7 @@ this module.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -35,21 +38,36 @@ _TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float
 _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 
+# A file every template directory holds (mlir_dir tells them by it).
+_SKELETON = "pagedkv_fwd_online.mlir.jinja"
+
+
 def mlir_dir() -> Path:
-    """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package's."""
-    return env.directory(env.MLIR_DIR) or Path(__file__).resolve().parent.parent / "templates"
+    """The templates' directory: TURBINE_FMHA_MLIR_DIR, else the package
+    data of an installed wheel (turbine_fmha/mlir/), else the source
+    checkout's top-level mlir/ (the same files: pyproject.toml maps them
+    into the package)."""
+    override = env.directory(env.MLIR_DIR)
+    if override:
+        return override
+    package = Path(__file__).resolve().parent.parent
+    for d in (package / "mlir", package.parent / "mlir"):
+        if (d / _SKELETON).is_file():
+            return d
+    raise FileNotFoundError(f"no kernel templates next to {package} (mlir/ or ../mlir/); "
+                            f"${env.MLIR_DIR} names a directory of them")
 
 
 class PackageJinjaLoader(TemplateLoader):
-    """Loads `<name>.mlir.jinja` from the package's templates (or the
-    TURBINE_FMHA_MLIR_DIR override)."""
+    """Loads `<name>.mlir.jinja` from `directory`, by default mlir_dir()
+    (the package's templates or the TURBINE_FMHA_MLIR_DIR override)."""
 
     def __init__(self, directory: Path | None = None):
-        from jinja2 import Environment, FileSystemLoader, PackageLoader, StrictUndefined
+        from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-        directory = directory or env.directory(env.MLIR_DIR)
-        loader = FileSystemLoader(str(directory)) if directory else PackageLoader("turbine_fmha", "templates")
-        self.env = Environment(loader=loader, undefined=StrictUndefined, keep_trailing_newline=True)
+        self.directory = directory or mlir_dir()
+        self.env = Environment(loader=FileSystemLoader(str(self.directory)), undefined=StrictUndefined,
+                               keep_trailing_newline=True)
 
     def render(self, name: str, **kwargs) -> str:
         return self.env.get_template(f"{name}.mlir.jinja").render(**kwargs)
@@ -171,17 +189,37 @@ class _PagedKVFwd(CustomOp):
 
 
 def template_params(v: Variant) -> dict:
-    """What the forward templates specialize on, for variant `v`."""
+    """What the forward templates specialize on, for variant `v`: the
+    shapes, types and layouts, the score terms (TERMS, each a file
+    mlir/terms/<term>.mlir.jinja whose hooks the skeletons call) and
+    `operands`, which generates the operand lists and block arguments of
+    the elementwise generics from the signature's declarations
+    (signature.operands). The few structural decisions of the online
+    skeleton are taken here, from the variant and its operands."""
     types = sig.fwd_types(v)
     args = [a for a in sig.FWD.args if sig.present(v, a)]
+    heads = head_params(v)
+    # The terms' tensors read per score: the online kernels' mask carries
+    # them (an additive f32 mask, else the i1 visibility), and one with a
+    # query-head axis makes them loop over query heads (one mask per head).
+    terms_read = [o for o in sig.operands(types, args, "scores", B="b", HQ="h", S="m", N="n")
+                  if o.name in sig.OPTIONAL_ARGS]
+    bt, mq, gp = v.batch_tile, v.seqlen_q_tile, v.padded_group
     return dict(
-        sig=sig.mlir_header(sig.FWD, args, types), **head_params(v),
-        dt=types.dtypes["Q"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
+        sig=sig.mlir_header(sig.FWD, args, types), **heads,
+        dt=types.dtypes["Q"], KDT=types.dtypes["KV"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
         HND=v.kv_layout == "HND", VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""),
-        QF8=v.static_quant,
-        V_GUARD=v.v_guard, mask=v.mask, SOFTCAP=v.softcap, ALIBI=v.bias == "alibi", BIAS_SHAPE=v.bias_shape,
-        SINKS=v.sinks, BT=v.batch_tile, MQ=v.seqlen_q_tile, GP=v.padded_group, UNBOUNDED=UNBOUNDED,
-        MERGE=v.merge_splits,
+        V_GUARD=v.v_guard, mask=v.mask, UNBOUNDED=UNBOUNDED,
+        TERMS=sig.score_terms(v), operands=functools.partial(sig.operands, types, args), operand=sig.Operand,
+        # The probabilities' type at the PV product (explicit): f16 under
+        # static quantization, whose fp8 values it holds exactly.
+        PDT="f16" if v.static_quant else types.dtypes["Q"],
+        # Online: batch tile, query rows, the split-KV merge (BO query
+        # sequences of MERGE splits each), the group padded to GP query
+        # heads per KV head (PAD; dynamic for any group) and the per-head loop.
+        BT=bt, MQ=mq, GP=gp, MERGE=v.merge_splits, BO=bt // v.merge_splits if v.merge_splits else bt,
+        PAD=heads["G"] == "?" or gp > heads["G"],
+        PER_HEAD=any(o.heads for o in terms_read), MASK_ET="f32" if terms_read else "i1",
     )
 
 

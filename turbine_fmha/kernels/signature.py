@@ -5,9 +5,10 @@ arguments with symbolic dims and a dtype rule, then compile-time attributes,
 then results. Everything else is derived from the declaration: the CustomOp
 signature string and `select()` (turbine_fmha.kernels), the example
 arguments, the MLIR type aliases and function header of each template, the
-argument order the runtime passes (`KERNEL_ARGS`, `call_args`), and
-`KERNEL_ABI`, a hash of the declarations: artifacts built against another
-argument list are never loaded.
+argument order the runtime passes (`KERNEL_ARGS`, `call_args`), the
+operand lists and block arguments of the templates' elementwise generics
+(`operands`), and `KERNEL_ABI`, a hash of the declarations: artifacts built
+against another argument list are never loaded.
 
 Dims are symbols, bound per variant (`fwd_types`). A symbol is static in
 the formulations whose `STATIC` set names it and dynamic ("?") otherwise;
@@ -168,9 +169,20 @@ _CANONICAL = repr(([(k, sorted(v)) for k, v in sorted(STATIC.items())], FWD, APP
 KERNEL_ABI = int(hashlib.sha256(_CANONICAL.encode()).hexdigest()[:12], 16)
 
 
+def score_terms(v) -> list[str]:
+    """The score terms of Variant `v`, in the order their code applies: the
+    score-side features, each a file mlir/terms/<term>.mlir.jinja whose
+    hooks the skeletons call (mlir/hooks.mlir.jinja). A term's tensors are
+    the arguments declared `when` it (FWD)."""
+    return [term for term, on in (("softcap", v.softcap), ("alibi", v.bias == "alibi"),
+                                  ("elementwise", v.bias == "elementwise"), ("sinks", v.sinks),
+                                  ("static_quant", v.static_quant)) if on]
+
+
 def present(v, arg: Tensor) -> bool:
-    """Whether Variant `v` takes `arg`."""
-    return {"": True, "alibi": v.bias == "alibi", "elementwise": v.bias == "elementwise", "sinks": v.sinks}[arg.when]
+    """Whether Variant `v` takes `arg`: every argument, but a term's only
+    with the term."""
+    return not arg.when or arg.when in score_terms(v)
 
 
 def call_args(v) -> tuple:
@@ -197,6 +209,8 @@ class Types:
     sym: dict
     dtypes: dict
     layout: str = layout_key()
+    # The broadcastable axes ("B|1", "HQ|1") the variant has full.
+    full: frozenset = frozenset()
 
 
 def _bound(sizes: dict, static: frozenset) -> dict:
@@ -210,12 +224,16 @@ def fwd_types(v) -> Types:
     sym = _bound({"B": v.batch_tile, "BO": v.batch_tile // max(1, v.merge_splits), "S": v.seqlen_q_tile,
                   "HQ": hq, "HK": hk, "D": v.hdim_q, "DV": v.hdim_v, "PG": v.page_block_size,
                   "NP": 0, "W": 0, "N": 0}, STATIC[v.formulation])
+    # G: query heads per KV head (HQ = HK x G), of the views that split HQ.
+    sym["G"] = (v.group or "?") if v.runtime_heads else v.nhead_q // v.nhead_k
+    full = frozenset()
     if v.bias == "elementwise":
         sym["B|1"] = sym["B"] if v.bias_shape[0] == "b" else 1
         sym["HQ|1"] = sym["HQ"] if v.bias_shape[1] == "h" else 1
+        full = frozenset(s for s, c in zip(("B|1", "HQ|1"), v.bias_shape) if c != "1")
     q = "i8" if v.static_quant else v.dtype
     return Types(sym, {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"},
-                 layout_key(v.kv_layout, v.v_layout))
+                 layout_key(v.kv_layout, v.v_layout), full)
 
 
 def append_kernel(a) -> Kernel:
@@ -242,6 +260,89 @@ def shape_of(t: Tensor, sym: dict, layout: str = layout_key()) -> list:
 def tensor_type(t: Tensor, types: Types) -> str:
     dims = "".join(f"{d}x" for d in shape_of(t, types.sym, types.layout))
     return f"tensor<{dims}{types.dtypes[t.dtype]}>"
+
+
+# Where the attention templates' generics read argument tensors element by
+# element (`operands`): per score (query row, key), the sequence lengths
+# and the tensors of the terms added to the score; per key, what the V
+# guard reads; per output row, the sinks. A variant's absent tensors are
+# left out.
+READS = {
+    "scores": ("seqlen_q", "seqlen_k", "kv_shift", "alibi_slopes", "bias"),
+    "keys": ("seqlen_k", "kv_shift"),
+    "rows": ("sinks",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An input (or output) of a linalg.generic: SSA `value` of MLIR
+    `type`, read at the results `map` of its indexing map, its element the
+    block argument `arg` of type `elem`. An argument tensor's also carry
+    its `name`, its bound `sizes` and whether it has a query-head axis
+    (`heads`)."""
+
+    value: str
+    type: str
+    map: str
+    arg: str
+    elem: str
+    name: str = ""
+    sizes: tuple = ()
+    heads: bool = False
+
+
+class Operands(tuple):
+    """A generic's Operand list, in order (`+` joins lists); an argument
+    tensor's by its name (ops.bias)."""
+
+    def __getattr__(self, name: str) -> Operand:
+        for o in self:
+            if o.name == name:
+                return o
+        raise AttributeError(name)
+
+    def __add__(self, other):
+        return Operands(tuple(self) + tuple(other))
+
+    def __radd__(self, other):
+        return Operands(tuple(other) + tuple(self))
+
+
+def operands(types: Types, args: list, reads: str, view: str = "whole", **dims) -> Operands:
+    """The Operands of the tensors among `args` (a variant's, in call
+    order) that READS[reads] names, as a generic over `dims` (symbol ->
+    its iteration dim: B="b", S="m", ...) reads them, in view:
+
+      whole  as declared (value %<name>, type !<name>_t);
+      heads  the query-head axis split into (HK, G), the GQA layout
+             (%<name>_heads; a tensor without one, whole);
+      head   one query head's, the axis dropped (%<name>_head).
+
+    A view's value is defined by its term's hooks (mlir/terms/). An X|1
+    axis of size 1 is read at index 0 (it broadcasts); elsewhere a dim
+    reads its symbol's iteration dim. Block arguments are %<name>_v."""
+    out = []
+    for t in args:
+        if t.name not in READS[reads]:
+            continue
+        own = list(t.dims_for(types.layout))
+        heads = "HQ" in own or ("HQ|1" in own and "HQ|1" in types.full)
+        axis = next((i for i, d in enumerate(own) if d in ("HQ", "HQ|1")), None)
+        shown, value = list(own), f"%{t.name}"
+        if view == "heads" and heads:
+            shown[axis:axis + 1] = ["HK", "G"]
+            value = f"%{t.name}_heads"
+        elif view == "head" and axis is not None:
+            del shown[axis]
+            value = f"%{t.name}_head"
+        elem = types.dtypes[t.dtype]
+        typ = f"!{t.name}_t" if value == f"%{t.name}" else \
+            f"tensor<{''.join(f'{types.sym[d]}x' for d in shown)}{elem}>"
+        index = ", ".join("0" if d.endswith("|1") and types.sym[d] == 1 else dims[d.split("|")[0]] for d in shown)
+        out.append(Operand(value, typ, index, f"%{t.name}_v", elem, t.name,
+                           tuple(shape_of(t, types.sym, types.layout)), heads))
+    return Operands(out)
 
 
 def mlir_header(kernel: Kernel, args: list, types: Types) -> dict:
