@@ -226,6 +226,33 @@ def case_requires_grad(ctx):
     return False, "a q that requires grad was accepted"
 
 
+def case_kv_writes(ctx):
+    """In-call appends (flash_attn_with_kvcache with k/v) and
+    reshape_and_cache inside torch.compile(fullgraph=True) through their
+    ops (issue 25): caches and outputs equal to the eager calls'."""
+    rng, dev = ctx["rng"], ctx["torch_device"]
+    (k, v, bt, sk), (tk, tv, tbt, tsk) = _paged(rng, [40, 9], dev)
+    k[np.isnan(k)], v[np.isnan(v)] = 0, 0  # appends read no spare page; keep the comparison exact
+    tk, tv = (torch.from_numpy(a).to(dev) for a in (k, v))
+    q = torch.from_numpy(rng.standard_normal((2, 1, HQ, D), dtype=np.float32).astype(np.float16)).to(dev)
+    new_k, new_v = (torch.from_numpy(rng.standard_normal((2, 1, HK, D), dtype=np.float32).astype(np.float16))
+                    .to(dev) for _ in range(2))
+    slots = torch.from_numpy(np.array([[bt[0, 2] * PAGE + 9], [bt[1, 0] * PAGE + 12]])).to(dev)
+
+    def step(q, kc, vc, nk, nv):
+        out = flash_attn_with_kvcache(q, kc, vc, k=nk, v=nv, cache_seqlens=tsk, block_table=tbt, causal=True,
+                                      session=ctx["session"], device=ctx["device"])
+        turbine_fmha.reshape_and_cache(nk[:, 0], nv[:, 0], kc, vc, slots.reshape(-1), session=ctx["session"],
+                                       device=ctx["device"])
+        return out * 1
+
+    ek, ev = tk.clone(), tv.clone()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, tk, tv, new_k, new_v)
+    want = step(q, ek, ev, new_k, new_v)
+    same = torch.equal(got, want) and torch.equal(tk, ek) and torch.equal(tv, ev)
+    return same, f"outputs and caches equal to eager: {same}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
@@ -243,7 +270,8 @@ def main() -> int:
              ("varlen prefill+decode into out= (inductor)", lambda: case_varlen_out(ctx)),
              ("flash_attn_with_kvcache paged, causal + ALiBi", lambda: case_flash_paged(ctx)),
              ("flash_attn_with_kvcache non-paged, cache_batch_idx", lambda: case_flash_dense(ctx)),
-             ("q requiring grad is refused", lambda: case_requires_grad(ctx))]
+             ("q requiring grad is refused", lambda: case_requires_grad(ctx)),
+             ("in-call append and reshape_and_cache compiled (aot_eager)", lambda: case_kv_writes(ctx))]
     failed = 0
     for name, run in cases:
         try:

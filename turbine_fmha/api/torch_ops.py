@@ -140,13 +140,41 @@ def result_shapes(q, k_cache, v_cache, *, v_layout: str = "row", kv_layout: str 
     return layout.result_shapes(q.shape, group)
 
 
-_OPS = {}
-for _kind, _out_form in itertools.product(("paged", "kvcache"), (False, True)):
-    _op = torch.library.custom_op(f"turbine_fmha::fmha_fwd_{_kind}" + ("_out" if _out_form else ""),
-                                  _impl(_kind, _out_form), mutates_args=("out",) if _out_form else (),
-                                  schema=_schema(_kind, _out_form))
-    _op.register_fake(_fake(_kind, _out_form))
-    _OPS[_kind, _out_form] = _op
+# The ops are defined on torch.library's Library rather than with
+# custom_op: custom_op registers an autograd kernel of its own that torch
+# 2.11 does not let another replace, and it cannot be given one that
+# refuses inputs requiring grad for a mutating op (_refusing_grad).
+_LIB = torch.library.Library("turbine_fmha", "DEF")
+
+
+def _define(name: str, schema: str, impl, fake, tensors: tuple):
+    """turbine_fmha::<name>: `impl` on every device, `fake` for tracing,
+    and the autograd kernel that refuses tensors requiring grad."""
+    _LIB.define(name + schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"turbine_fmha::{name}", fake, lib=_LIB)
+    op = getattr(torch.ops.turbine_fmha, name).default
+    _LIB.impl(name, _refusing_grad(op, tensors), "Autograd", with_keyset=True)
+    return op
+
+
+def _refusing_grad(op, names: tuple):
+    """The ops' autograd kernel: an input that requires grad while grad
+    mode is on is refused by name before anything runs (an _out op would
+    have written out, and the outputs' backward would fail later);
+    otherwise the call goes on below autograd, its results needing none."""
+
+    def kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            check_no_grad(dict(zip(names, args)), grad_mode=True)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    return kernel
+
+
+_OPS = {(kind, out_form): _define(f"fmha_fwd_{kind}" + ("_out" if out_form else ""), _schema(kind, out_form),
+                                  _impl(kind, out_form), _fake(kind, out_form), _positional(kind, out_form))
+        for kind, out_form in itertools.product(("paged", "kvcache"), (False, True))}
 
 
 # -- KV writes -------------------------------------------------------------
@@ -172,10 +200,9 @@ def _write_fake(*args, **kwargs):
     return kw["k"].new_empty(0) if kw["q"] is None else kw["q"].new_empty(kw["q"].shape)
 
 
-_WRITE_OP = torch.library.custom_op(
-    "turbine_fmha::reshape_and_cache", _write_impl, mutates_args=("k_cache", "v_cache"),
-    schema=_op_schema(_WRITE_TENSORS, _WRITE_OPTIONAL, _WRITE_SCALARS, "Tensor", mutated=("k_cache", "v_cache")))
-_WRITE_OP.register_fake(_write_fake)
+_WRITE_OP = _define("reshape_and_cache", _op_schema(_WRITE_TENSORS, _WRITE_OPTIONAL, _WRITE_SCALARS, "Tensor",
+                                                    mutated=("k_cache", "v_cache")),
+                     _write_impl, _write_fake, _WRITE_TENSORS + _WRITE_OPTIONAL)
 
 
 def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, session=None, **kw):
@@ -216,11 +243,9 @@ def _flash_fake(*args, **kwargs):
         q.new_empty((batch, heads, rows), dtype=torch.float32)
 
 
-_FLASH_OP = torch.library.custom_op(
-    "turbine_fmha::flash_attn_with_kvcache", _flash_impl, mutates_args=("k_cache", "v_cache"),
-    schema=_op_schema(_FLASH_TENSORS, _FLASH_OPTIONAL, _FLASH_SCALARS, "(Tensor, Tensor)",
-                      mutated=("k_cache", "v_cache")))
-_FLASH_OP.register_fake(_flash_fake)
+_FLASH_OP = _define("flash_attn_with_kvcache", _op_schema(_FLASH_TENSORS, _FLASH_OPTIONAL, _FLASH_SCALARS,
+                                                         "(Tensor, Tensor)", mutated=("k_cache", "v_cache")),
+                     _flash_impl, _flash_fake, _FLASH_TENSORS + _FLASH_OPTIONAL)
 
 
 def call_flash_attn(**given):
@@ -248,32 +273,6 @@ _FLASH_DEFAULTS = {n: p.default for n, p in inspect.signature(flash_attn.flash_a
 _ATTENTION_CALL_ARGS = tuple(inspect.signature(flash_attn.attention_call).parameters)
 # The positional arguments of the attention calls attention_call maps to.
 _POSITIONAL = {"paged": _TENSORS["paged"], "kvcache": _TENSORS["kvcache"]}
-
-
-# -- no backward -------------------------------------------------------------
-
-def _refusing_grad(op, names: tuple):
-    """The ops' autograd kernel: an input that requires grad while grad
-    mode is on is refused by name before anything runs (an _out op would
-    have written out, and the outputs' backward would fail later);
-    otherwise the call goes on below autograd, its results needing none."""
-
-    def kernel(keyset, *args, **kwargs):
-        if torch.is_grad_enabled():
-            check_no_grad(dict(zip(names, args)), grad_mode=True)
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
-
-    return kernel
-
-
-# Replaces torch.library.custom_op's own autograd kernel, which cannot be
-# given a formula for mutating ops and runs them with grad mode off.
-_AUTOGRAD = torch.library.Library("turbine_fmha", "IMPL")
-for (_kind, _out_form), _op in _OPS.items():
-    _AUTOGRAD.impl(_op._name, _refusing_grad(_op._opoverload, _positional(_kind, _out_form)),
-                   "Autograd", with_keyset=True)
-for _op, _names in ((_WRITE_OP, _WRITE_TENSORS + _WRITE_OPTIONAL), (_FLASH_OP, _FLASH_TENSORS + _FLASH_OPTIONAL)):
-    _AUTOGRAD.impl(_op._name, _refusing_grad(_op._opoverload, _names), "Autograd", with_keyset=True)
 
 
 def session_handle(session) -> int:
