@@ -64,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -530,6 +531,9 @@ def print_table(rows: list[dict]) -> None:
           "| rate: run(finite) / torch | device ms (rate) | max rel err: ours / torch | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | {r['arrays']} | FAILED: {r['error']} |" + " |" * 8)
+            continue
         print(f"| {r['name']} | {r['arrays']} | {r['run_finite_ms']:.3f} | {r['run_default_ms']:.3f} | "
               f"{r['one_shot_ms']:.3f} | {r['torch_ms']:.3f} | "
               f"{r['x_torch_run_finite']:.2f} / {r['x_torch_run_default']:.2f} / {r['x_torch_one_shot']:.2f} | "
@@ -646,7 +650,7 @@ def hf_bench(session, args) -> dict:
     rounds = args.rounds
     steps = []
     with torch.no_grad():
-        for b, n in HF_STEPS[mode]:
+        def one_step(b, n):
             prompt = torch.randint(0, args.hf_vocab, (b, n), device=dev)
             caches = {}
             tok = None
@@ -687,9 +691,17 @@ def hf_bench(session, args) -> dict:
                        rounds_ms=dict(decode=step_ms, prompt=prompt_ms))
             row["decode_x_hf"] = round(row["decode_hf_ms"] / row["decode_ours_ms"], 3)
             row["prompt_x_hf"] = round(row["prompt_hf_ms"] / row["prompt_ours_ms"], 3)
+            del caches
+            return row
+
+        for b, n in HF_STEPS[mode]:
+            try:
+                row = one_step(b, n)
+            except Exception as e:  # this shape fails, the others and generate still run
+                traceback.print_exc()
+                row = dict(batch=b, context=n, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             steps.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "rounds_ms"}), flush=True)
-            del caches
 
         # generate: HF dynamic, HF static, ours.
         b, n = HF_GENERATE[mode]
@@ -754,6 +766,9 @@ def hf_bench(session, args) -> dict:
     print("| HF model step | HF sdpa + DynamicCache ms | turbine-fmha + PagedCache ms | x HF |")
     print("|---|---|---|---|")
     for s in steps:
+        if "error" in s:
+            print(f"| b{s['batch']} x {s['context']} | FAILED: {s['error']} | | |")
+            continue
         print(f"| decode step b{s['batch']} x {s['context']} | {s['decode_hf_ms']:.2f} | {s['decode_ours_ms']:.2f} | {s['decode_x_hf']:.2f} |")
         print(f"| prompt forward b{s['batch']} x {s['context']} | {s['prompt_hf_ms']:.2f} | {s['prompt_ours_ms']:.2f} | {s['prompt_x_hf']:.2f} |")
     print()
@@ -914,9 +929,14 @@ def main() -> int:
                 case = make_case(sh, arrays, args.dtype, args.device, args.seed + i)
                 try:
                     row = bench_row(session, case, args)
-                except turbine_fmha.ArtifactError as e:
-                    print(f"{sh.label}, {arrays}: no artifact: {str(e).splitlines()[0]}", flush=True)
-                    rows.append(dict(name=sh.label, arrays=arrays, error=str(e).splitlines()[0], ok=False))
+                except Exception as e:  # the row fails, the others still run (a GPU lease is short)
+                    what = "no artifact" if isinstance(e, turbine_fmha.ArtifactError) else type(e).__name__
+                    first = str(e).splitlines()[0] if str(e) else ""
+                    print(f"{sh.label}, {arrays}: FAILED, {what}: {first}", flush=True)
+                    if not isinstance(e, turbine_fmha.ArtifactError):
+                        traceback.print_exc()
+                    rows.append(dict(name=sh.label, arrays="numpy" if arrays == "numpy" else f"torch {args.device}",
+                                     error=f"{what}: {first}", ok=False))
                     failed = True
                     continue
                 del case
@@ -924,10 +944,19 @@ def main() -> int:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "rounds_ms"}), flush=True)
         print()
-        print_table([r for r in rows if "error" not in r])
-    hf = hf_bench(session, args) if args.hf else None
+        print_table(rows)
+    hf = None
+    if args.hf:
+        try:
+            hf = hf_bench(session, args)
+        except Exception as e:
+            traceback.print_exc()
+            hf = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            print(f"--hf FAILED: {hf['error']}", flush=True)
+            failed = True
     if hf and ((hf.get("token_check") and not hf["token_check"]["tokens_equal"])
-               or "ours" in hf.get("generate", {}).get("errors", {})):
+               or "ours" in hf.get("generate", {}).get("errors", {})
+               or any("error" in s for s in hf.get("steps", []))):
         failed = True
     env["load_average_at_end"] = load_average()
     print(f"\n- load_average_at_end: {env['load_average_at_end']}")
