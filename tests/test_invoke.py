@@ -109,3 +109,28 @@ def test_queued_calls_are_waited_for_when_a_later_one_fails(explicit_session, rn
     got = explicit_session.run_variants(variant, [args, args])
     for out, _ in got:
         np.testing.assert_array_equal(out, good)
+
+
+def test_gpu_wait_through_the_host_flag(explicit_session, rng, monkeypatch):
+    """The GPU wait (a HostFlag set by a copy queued after the calls, read
+    in host memory) on the CPU driver, which runs the same queue
+    operations: the results are the waited ones; a wait that outlasts its
+    spin falls back to the calls' own fences and settles the copy, so a
+    late copy cannot set the flag during the next wait."""
+    import turbine_fmha.runtime.invoke as invoke
+
+    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64,
+                        page=16)
+    want = turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session)
+    variant = explicit_session.last_variant
+    loaded = explicit_session._load(variant)
+    monkeypatch.setattr(loaded, "spin", True)
+    monkeypatch.setattr(invoke, "SPIN_SECONDS", 5.0)  # the CPU driver's copy takes milliseconds
+    for _ in range(3):
+        np.testing.assert_array_equal(turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session), want)
+    flag = invoke._flag(loaded.config.device)
+    assert flag.value[0] == 1 and flag._count >= 3
+    monkeypatch.setattr(invoke, "SPIN_SECONDS", 0.0)  # every wait falls back
+    for _ in range(3):
+        np.testing.assert_array_equal(turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session), want)
+    assert flag._timeline.query() == flag._count  # settled: no copy left in flight

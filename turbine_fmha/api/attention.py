@@ -23,6 +23,7 @@ from ..core.arrays import (
     _to_numpy,
     _TorchDeviceCache,
     ops_for,
+    torch_writes_done,
 )
 from ..core.checks import check_int, check_out
 from .conventions import conventions
@@ -242,9 +243,7 @@ class _Plan:
         results = _Results(session, like if torch_results else None)
         q = like.detach() if torch_results else _to_numpy(like, "q")
         if any(isinstance(c, _TorchDeviceCache) for c in (kc, vc)) and not torch_results:
-            import torch
-
-            torch.cuda.synchronize()  # the kernels run on IREE's stream: torch's writes first
+            torch_writes_done()
         v_src = v_cache if not _is_torch(v_cache) else vc
         work = [(pt, pt._variant(pt._rows_finite(v_src))) for pt in self.parts if pt.rows]
         steps = [pt._device_steps(v, results) for pt, v in work]

@@ -230,7 +230,7 @@ class _Results:
             arg_lists = [[a if _is_device_array(a) else self.session.import_torch(
                 a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True))
                 for a in args] for args in arg_lists]
-            torch.cuda.synchronize(self.torch_device)  # IREE runs on its own stream
+            torch_writes_done(self.torch_device)
         return [self.session.to_torch(*r)
                 for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs)]
 
@@ -261,6 +261,18 @@ class _Results:
         import torch
 
         return torch.as_tensor(a, device=self.torch_device)
+
+
+def torch_writes_done(device=None) -> None:
+    """Waits for the work torch queued on its current stream of `device`
+    (default: the current device): IREE runs on a stream of its own, so
+    what torch wrote there (q, the caches, the tables) must be done before
+    IREE reads it. Work on other streams is the caller's to order, as for
+    any torch operation; a whole-device synchronize would also wait for
+    those streams, and for IREE's own."""
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
 
 
 def _numpy_to_torch(a: np.ndarray):

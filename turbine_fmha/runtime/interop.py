@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-from ..core.arrays import _DeviceCache, _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy, kernel_host_array
+from ..core.arrays import (_DeviceCache, _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy,
+                           kernel_host_array, torch_writes_done)
 
 # Host caches a plan keeps imported (two per layer of a large model).
 MAX_KEPT_IMPORTS = 512
@@ -191,5 +192,5 @@ def run_append(session, fn, *arrays):
     args = [kernel_input(session, a) for a in arrays]
     torch = sys.modules.get("torch")
     if session.device != "cpu" and torch is not None:
-        torch.cuda.synchronize(session.torch_device)  # IREE runs on its own stream: torch's writes first
+        torch_writes_done(session.torch_device)
     return fn(*args)

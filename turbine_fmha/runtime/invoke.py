@@ -140,14 +140,86 @@ class _Call:
 
 
 def wait_all(calls) -> Exception | None:
-    """Waits for every call; returns the first failure (None if none)."""
+    """Waits for every call; returns the first failure (None if none). On
+    a GPU the wait first watches a HostFlag that the device sets after the
+    calls, then waits on the calls themselves (which raises a failure, and
+    costs nothing once the flag is set)."""
+    fenced = [c for c in calls if c.done is not None]
+    flag = _flag(fenced[0].loaded.config.device) if fenced and fenced[0].loaded.spin else None
+    if flag is not None and flag.wait(fenced):
+        return None
     first = None
     for c in calls:
         try:
             c.wait()
         except Exception as e:  # noqa: BLE001 - returned to the caller
             first = first or e
+    if flag is not None:
+        flag.settle()
     return first
+
+
+class HostFlag:
+    """Calls' completion seen in host memory. After a thread's calls, a
+    4-byte device-to-host copy queued to wait on their fences sets an int in
+    pinned host memory, which the thread reads until it changes: IREE's own
+    completion path (its completion thread's event synchronize, then the
+    semaphore's signal on the host) reached a waiting thread well after the
+    device had finished (docs/devlog/perf-notes.md). The copy runs only if
+    every call succeeded (it waits on their fences), so a set flag means
+    they all did. One per thread and device, reset before each use."""
+
+    def __init__(self, device):
+        import numpy as np
+        import iree.runtime as rt
+
+        self.device = device
+        self.buffer = device.allocator.allocate_buffer(
+            memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(rt.BufferUsage.TRANSFER | rt.BufferUsage.MAPPING), allocation_size=4)
+        self._mapping = self.buffer.map()
+        self.value = self._mapping.asarray([1], np.dtype(np.int32))
+        self._one = rt.asdevicearray(device, np.ones(1, np.int32))
+        self._timeline, self._count = device.create_semaphore(0), 0
+
+    def wait(self, calls) -> bool:
+        """Whether the device finished `calls`, seen within SPIN_SECONDS
+        (else the caller waits on the calls themselves, as it must for a
+        call that failed: the copy then never runs)."""
+        self.value[0] = 0
+        self._count += 1
+        waits = [(c.timeline, c.value) for c in calls]
+        self.device.queue_copy(self._one._buffer_view.get_buffer(), self.buffer, waits,
+                               [(self._timeline, self._count)])
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while self.value[0] != 1:
+            if time.perf_counter() > deadline:
+                return False
+        return True
+
+    def settle(self) -> None:
+        """Waits for the last copy (or its failure): a copy still in flight
+        would set the flag during the next wait."""
+        import iree.runtime as rt
+
+        try:
+            rt.HalFence.create_at(self._timeline, self._count).wait()
+        except Exception:  # noqa: BLE001 - a failed call failed the copy: nothing will write the flag
+            self._timeline = self.device.create_semaphore(0)
+            self._count = 0
+
+
+_FLAGS = threading.local()
+
+
+def _flag(device) -> HostFlag:
+    flags = getattr(_FLAGS, "by_device", None)
+    if flags is None:
+        flags = _FLAGS.by_device = {}
+    flag = flags.get(id(device))
+    if flag is None or flag.device is not device:
+        flag = flags[id(device)] = HostFlag(device)
+    return flag
 
 
 class _HostView:
