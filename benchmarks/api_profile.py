@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import _is_torch, _Results  # noqa: E402
-from turbine_fmha.api.cache import aligned_zeros  # noqa: E402
+import turbine_fmha
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha.core.arrays import _is_torch, _Results
 
 
 def main() -> int:
@@ -35,10 +35,15 @@ def main() -> int:
     ap.add_argument("--seqlen-k", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--planned", action="store_true",
-                    help="profile PagedAttention.run() on tables planned once (kv_rows_finite=True), and time the "
-                         "kernel alone (back-to-back calls, one final wait)")
-    ap.add_argument("--iree-flags", default="", help="IREE runtime flags to parse first, e.g. --cuda_async_allocations=false")
+    ap.add_argument(
+        "--planned",
+        action="store_true",
+        help="profile PagedAttention.run() on tables planned once (kv_rows_finite=True), and time the "
+        "kernel alone (back-to-back calls, one final wait)",
+    )
+    ap.add_argument(
+        "--iree-flags", default="", help="IREE runtime flags to parse first, e.g. --cuda_async_allocations=false"
+    )
     args = ap.parse_args()
     if args.iree_flags:
         import iree.runtime as rt
@@ -61,8 +66,17 @@ def main() -> int:
         q, k, v = (torch.from_numpy(x).cuda() for x in (q, k, v))
 
     if args.planned:
-        attn = turbine_fmha.PagedAttention(session).plan(bt, sl, num_pages=pages, page_block_size=page, nhead_q=hq,
-                                                         nhead_k=hk, hdim=d, dtype="f16", kv_rows_finite=True)
+        attn = turbine_fmha.PagedAttention(session).plan(
+            bt,
+            sl,
+            num_pages=pages,
+            page_block_size=page,
+            nhead_q=hq,
+            nhead_k=hk,
+            hdim=d,
+            dtype="f16",
+            kv_rows_finite=True,
+        )
         print(f"kernel alone: {_kernel_alone_ms(attn, q, k, v, args.calls):.3f} ms per call (device work only)")
 
     def call():
@@ -80,8 +94,10 @@ def main() -> int:
         t0 = time.perf_counter()
         call()
         times.append((time.perf_counter() - t0) * 1e3)
-    print(f"{args.device}: median {statistics.median(times):.2f} ms per call over {args.calls} calls, "
-          f"kernel {session.last_variant.name}, results exported zero-copy: {getattr(session, '_exports', True)}")
+    print(
+        f"{args.device}: median {statistics.median(times):.2f} ms per call over {args.calls} calls, "
+        f"kernel {session.last_variant.name}, results exported zero-copy: {getattr(session, '_exports', True)}"
+    )
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):

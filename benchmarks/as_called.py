@@ -78,8 +78,16 @@ D, PAGE = 128, 16
 BOUND = {"f16": 5e-3, "bf16": 2e-2}
 
 SHAPES = {
-    "cuda": ["decode:32x4096", "decode:4x32768", "decode:1x32768", "prefill:1x4096", "prefill:4x1024",
-             "chunked:4x512+8192", "decode:32x4096:28/4:HND", "prefill:1x2048:28/4:HND"],
+    "cuda": [
+        "decode:32x4096",
+        "decode:4x32768",
+        "decode:1x32768",
+        "prefill:1x4096",
+        "prefill:4x1024",
+        "chunked:4x512+8192",
+        "decode:32x4096:28/4:HND",
+        "prefill:1x2048:28/4:HND",
+    ],
     "cpu": ["decode:8x2048", "prefill:1x512", "chunked:2x128+1024"],
 }
 QUICK_SHAPES = {
@@ -181,7 +189,11 @@ def as_torch(a, device="cpu"):
     import torch
 
     if isinstance(a, np.ndarray):
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+        t = (
+            torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+            if a.dtype.name == "bfloat16"
+            else torch.from_numpy(a)
+        )
         return t.to(device)
     return a
 
@@ -243,8 +255,10 @@ def make_case(shape: Shape, arrays: str, dtype: str, device: str, seed: int) -> 
 
         g = torch.Generator(device=device).manual_seed(seed)
         tdt = torch_dtype(dtype)
-        q, k, v = (torch.randn(s, dtype=tdt, device=device, generator=g)
-                   for s in (q_shape, (num_pages, *page_shape), (num_pages, *page_shape)))
+        q, k, v = (
+            torch.randn(s, dtype=tdt, device=device, generator=g)
+            for s in (q_shape, (num_pages, *page_shape), (num_pages, *page_shape))
+        )
         tables = torch.from_numpy(bt), torch.from_numpy(skv)
     return Case(shape, arrays, dtype, device, q, k, v, *tables, bt, num_pages)
 
@@ -252,8 +266,11 @@ def make_case(shape: Shape, arrays: str, dtype: str, device: str, seed: int) -> 
 def mask_kwargs(shape: Shape) -> dict:
     # Causal = bottom-right (flash-attn's causal=True): with as many rows as
     # keys it is also top-left.
-    return dict(mask_type="bottom_right", window_size_left=-1, window_size_right=0) if shape.causal \
+    return (
+        dict(mask_type="bottom_right", window_size_left=-1, window_size_right=0)
+        if shape.causal
         else dict(mask_type="none")
+    )
 
 
 # -- torch: the alternative and the reference -----------------------------------
@@ -310,8 +327,9 @@ class TorchSide:
             kg, vg = kg.repeat_interleave(self.group, 1), vg.repeat_interleave(self.group, 1)
         elif self.group > 1:
             kw["enable_gqa"] = True
-        out = self.F.scaled_dot_product_attention(q.transpose(1, 2), kg, vg, attn_mask=self.bias,
-                                                  is_causal=self.is_causal, **kw).transpose(1, 2)
+        out = self.F.scaled_dot_product_attention(
+            q.transpose(1, 2), kg, vg, attn_mask=self.bias, is_causal=self.is_causal, **kw
+        ).transpose(1, 2)
         return as_numpy(out) if numpy_in else out
 
     def reference(self):
@@ -362,8 +380,15 @@ class DeviceLoop:
             kd, vd = session.import_torch(case.k), session.import_torch(case.v)
         else:
             kd, vd = (session.device_array(np.ascontiguousarray(as_numpy(a))) for a in (case.k, case.v))
-        self.calls = [[rt.asdevicearray(dev, st.q(qb)), kd, vd,
-                       *[rt.asdevicearray(dev, np.ascontiguousarray(a)) for a in st.args]] for st in self.steps]
+        self.calls = [
+            [
+                rt.asdevicearray(dev, st.q(qb)),
+                kd,
+                vd,
+                *[rt.asdevicearray(dev, np.ascontiguousarray(a)) for a in st.args],
+            ]
+            for st in self.steps
+        ]
         self.loaded = session._load(self.variant)
         self.chain = session.device == "cpu"
         self.last = []
@@ -414,7 +439,7 @@ def timed_rounds(fns: dict, syncs: dict, calls: dict, rounds: int, warmup_s: flo
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, sync, n = fns[name], syncs[name], calls[name]
             t0 = time.perf_counter()
             for _ in range(n):
@@ -442,10 +467,21 @@ def bench_row(session, case: Case, args) -> dict:
     sh = case.shape
     kw = mask_kwargs(sh)
     side = TorchSide(case, args.torch_gqa)
-    noop = lambda: None  # noqa: E731
-    plan_args = dict(num_pages=case.num_pages, page_block_size=PAGE, nhead_q=sh.hq, nhead_k=sh.hk, hdim=D,
-                     dtype=case.q.dtype, seqlen_q=sh.seqlen_q, kv_layout=sh.layout, **kw)
-    attn_f = turbine_fmha.PagedAttention(session).plan(case.block_table, case.seqlen_k, kv_rows_finite=True, **plan_args)
+    noop = lambda: None
+    plan_args = dict(
+        num_pages=case.num_pages,
+        page_block_size=PAGE,
+        nhead_q=sh.hq,
+        nhead_k=sh.hk,
+        hdim=D,
+        dtype=case.q.dtype,
+        seqlen_q=sh.seqlen_q,
+        kv_layout=sh.layout,
+        **kw,
+    )
+    attn_f = turbine_fmha.PagedAttention(session).plan(
+        case.block_table, case.seqlen_k, kv_rows_finite=True, **plan_args
+    )
     attn_d = turbine_fmha.PagedAttention(session).plan(case.block_table, case.seqlen_k, **plan_args)
     q, k, v = case.q, case.k, case.v
     variants = {}
@@ -457,8 +493,9 @@ def bench_row(session, case: Case, args) -> dict:
         return attn_d.run(q, k, v)
 
     def one_shot():
-        return turbine_fmha.fmha_fwd_paged(q, k, v, case.block_table, case.seqlen_k, session=session,
-                                           device=session.device, kv_layout=sh.layout, **kw)
+        return turbine_fmha.fmha_fwd_paged(
+            q, k, v, case.block_table, case.seqlen_k, session=session, device=session.device, kv_layout=sh.layout, **kw
+        )
 
     fns = {"run_finite": run_f, "run_default": run_d, "one_shot": one_shot, "torch": lambda: side.call(q, k, v)}
     sync = side.sync if case.device == "cuda" else noop
@@ -499,21 +536,45 @@ def bench_row(session, case: Case, args) -> dict:
     else:
         unit, work = "TFLOP/s", 4.0 * b * sh.hq * D * visible_elements(sq, sk, True) / 1e12
     row = dict(
-        name=sh.label, kind=sh.kind, arrays=f"{'torch ' + case.device if case.arrays == 'torch' else 'numpy'}",
-        device=case.device, dtype=case.dtype, batch=b, seqlen_q=sq, seqlen_k=sk, cached=sh.cached, nhead_q=sh.hq,
-        nhead_k=sh.hk, hdim=D, page=PAGE, kv_layout=sh.layout, causal=sh.causal,
+        name=sh.label,
+        kind=sh.kind,
+        arrays=f"{'torch ' + case.device if case.arrays == 'torch' else 'numpy'}",
+        device=case.device,
+        dtype=case.dtype,
+        batch=b,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        cached=sh.cached,
+        nhead_q=sh.hq,
+        nhead_k=sh.hk,
+        hdim=D,
+        page=PAGE,
+        kv_layout=sh.layout,
+        causal=sh.causal,
         cache_aligned_64=address(case.k) % 64 == 0 and address(case.v) % 64 == 0,
-        variant_run_finite=variants["run_finite"], variant_run_default=variants["run_default"],
-        variant_one_shot=variants["one_shot"], variant_device=loop.variant.name, kernel_calls=len(loop.steps),
-        num_splits=attn_f._plan.splits, merged_in_module=bool(loop.variant.merge_splits),
-        calls_per_round=calls, device_calls_per_round=per_name["device"], rounds=args.rounds,
-        run_finite_ms=ms["run_finite"], run_default_ms=ms["run_default"], one_shot_ms=ms["one_shot"],
-        torch_ms=ms["torch"], device_ms=ms["device"],
+        variant_run_finite=variants["run_finite"],
+        variant_run_default=variants["run_default"],
+        variant_one_shot=variants["one_shot"],
+        variant_device=loop.variant.name,
+        kernel_calls=len(loop.steps),
+        num_splits=attn_f._plan.splits,
+        merged_in_module=bool(loop.variant.merge_splits),
+        calls_per_round=calls,
+        device_calls_per_round=per_name["device"],
+        rounds=args.rounds,
+        run_finite_ms=ms["run_finite"],
+        run_default_ms=ms["run_default"],
+        one_shot_ms=ms["one_shot"],
+        torch_ms=ms["torch"],
+        device_ms=ms["device"],
         rounds_ms={k_: [round(t, 4) for t in ts] for k_, (_, ts) in res.items()},
         unit=unit,
-        rel_err={k_: float(f"{e:.3g}") for k_, e in errs.items()}, rel_err_ours=float(f"{ours_err:.3g}"),
-        bound=bound, ok=ours_err <= bound and errs["torch"] <= bound,
-        torch_gqa=args.torch_gqa, torch_mask=side.mask_kind,
+        rel_err={k_: float(f"{e:.3g}") for k_, e in errs.items()},
+        rel_err_ours=float(f"{ours_err:.3g}"),
+        bound=bound,
+        ok=ours_err <= bound and errs["torch"] <= bound,
+        torch_gqa=args.torch_gqa,
+        torch_mask=side.mask_kind,
     )
     for key in ("run_finite", "run_default", "one_shot"):
         row[f"x_torch_{key}"] = round(ms["torch"] / ms[key], 3)
@@ -527,19 +588,23 @@ def fmt_rate(x: float) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| row | arrays | run(finite) ms | run() ms | one-shot ms | torch gather+SDPA ms | x torch: run(finite) / run() / one-shot "
-          "| rate: run(finite) / torch | device ms (rate) | max rel err: ours / torch | ok |")
+    print(
+        "| row | arrays | run(finite) ms | run() ms | one-shot ms | torch gather+SDPA ms | x torch: run(finite) / run() / one-shot "
+        "| rate: run(finite) / torch | device ms (rate) | max rel err: ours / torch | ok |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['name']} | {r['arrays']} | FAILED: {r['error']} |" + " |" * 8)
             continue
-        print(f"| {r['name']} | {r['arrays']} | {r['run_finite_ms']:.3f} | {r['run_default_ms']:.3f} | "
-              f"{r['one_shot_ms']:.3f} | {r['torch_ms']:.3f} | "
-              f"{r['x_torch_run_finite']:.2f} / {r['x_torch_run_default']:.2f} / {r['x_torch_one_shot']:.2f} | "
-              f"{fmt_rate(r['run_finite_rate'])} / {fmt_rate(r['torch_rate'])} {r['unit']} | "
-              f"{r['device_ms']:.3f} ({fmt_rate(r['device_rate'])} {r['unit']}) | "
-              f"{r['rel_err_ours']:.1e} / {r['rel_err']['torch']:.1e} | {'ok' if r['ok'] else 'FAIL'} |")
+        print(
+            f"| {r['name']} | {r['arrays']} | {r['run_finite_ms']:.3f} | {r['run_default_ms']:.3f} | "
+            f"{r['one_shot_ms']:.3f} | {r['torch_ms']:.3f} | "
+            f"{r['x_torch_run_finite']:.2f} / {r['x_torch_run_default']:.2f} / {r['x_torch_one_shot']:.2f} | "
+            f"{fmt_rate(r['run_finite_rate'])} / {fmt_rate(r['torch_rate'])} {r['unit']} | "
+            f"{r['device_ms']:.3f} ({fmt_rate(r['device_rate'])} {r['unit']}) | "
+            f"{r['rel_err_ours']:.1e} / {r['rel_err']['torch']:.1e} | {'ok' if r['ok'] else 'FAIL'} |"
+        )
 
 
 # -- variants a run needs -------------------------------------------------------
@@ -555,8 +620,9 @@ def list_variants(args, shapes) -> int:
 
     plain = make_session(args, compile_missing=False)
     with tempfile.TemporaryDirectory() as tmp:
-        compiling = turbine_fmha.Session(args.device, artifact_dir=plain.artifact_dir, compile_missing=True,
-                                         cache_dir=tmp)
+        compiling = turbine_fmha.Session(
+            args.device, artifact_dir=plain.artifact_dir, compile_missing=True, cache_dir=tmp
+        )
         missing = []
         problems = [(sh.label, sh, args.dtype) for sh in shapes]
         for label, sh, dtype in problems + hf_problems(args):
@@ -564,8 +630,18 @@ def list_variants(args, shapes) -> int:
             pps = -(-sh.seqlen_k // PAGE)
             bt = np.arange(sh.batch * pps, dtype=np.int32).reshape(sh.batch, pps)
             sk = np.full(sh.batch, sh.seqlen_k, np.int32)
-            plan_args = dict(num_pages=sh.batch * pps, page_block_size=PAGE, nhead_q=sh.hq, nhead_k=sh.hk, hdim=D,
-                             dtype=dtype, seqlen_q=sh.seqlen_q, kv_layout=sh.layout, kv_rows_finite=True, **kw)
+            plan_args = dict(
+                num_pages=sh.batch * pps,
+                page_block_size=PAGE,
+                nhead_q=sh.hq,
+                nhead_k=sh.hk,
+                hdim=D,
+                dtype=dtype,
+                seqlen_q=sh.seqlen_q,
+                kv_layout=sh.layout,
+                kv_rows_finite=True,
+                **kw,
+            )
             try:
                 p = turbine_fmha.PagedAttention(plain).plan(bt, sk, **plan_args)._plan
                 print(f"{label} ({dtype}): {p._variant(p.guard_free).name} ({p.splits} splits)")
@@ -615,16 +691,37 @@ def hf_bench(session, args) -> dict:
     inter = args.hf_intermediate or (512 if args.quick else 1024)
     init = args.hf_init if args.hf_init is not None else (0.2 if dtype == torch.float32 else 0.02)
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(vocab_size=args.hf_vocab, hidden_size=hidden, intermediate_size=inter,
-                      num_hidden_layers=args.hf_layers, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      max_position_embeddings=4096, initializer_range=init, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=args.hf_vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=args.hf_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(cfg).to(dtype).to(dev).eval()
-    info = dict(transformers=transformers.__version__, layers=args.hf_layers, hidden=hidden, intermediate=inter,
-                vocab=args.hf_vocab, heads="32/8", head_dim=128, dtype=str(dtype).replace("torch.", ""),
-                initializer_range=init, page=PAGE)
-    print(f"\nHF model: Llama config, {args.hf_layers} layers, hidden {hidden}, intermediate {inter}, "
-          f"vocab {args.hf_vocab}, 32/8 heads of 128, {info['dtype']} on {dev}; transformers {transformers.__version__}")
+    info = dict(
+        transformers=transformers.__version__,
+        layers=args.hf_layers,
+        hidden=hidden,
+        intermediate=inter,
+        vocab=args.hf_vocab,
+        heads="32/8",
+        head_dim=128,
+        dtype=str(dtype).replace("torch.", ""),
+        initializer_range=init,
+        page=PAGE,
+    )
+    print(
+        f"\nHF model: Llama config, {args.hf_layers} layers, hidden {hidden}, intermediate {inter}, "
+        f"vocab {args.hf_vocab}, 32/8 heads of 128, {info['dtype']} on {dev}; transformers {transformers.__version__}"
+    )
 
     def sync():
         if dev != "cpu":
@@ -650,6 +747,7 @@ def hf_bench(session, args) -> dict:
     rounds = args.rounds
     steps = []
     with torch.no_grad():
+
         def one_step(b, n):
             prompt = torch.randint(0, args.hf_vocab, (b, n), device=dev)
             caches = {}
@@ -664,7 +762,9 @@ def hf_bench(session, args) -> dict:
             step_ms = {"hf": [], "ours": []}
             prompt_ms = {"hf": [], "ours": []}
             for r in range(rounds + 1):  # round 0 warms up
-                for name, switch, make in (("hf", sdpa, dynamic_cache), ("ours", ours, lambda: paged_cache(b, n)))[::1 if r % 2 else -1]:
+                for name, switch, make in (("hf", sdpa, dynamic_cache), ("ours", ours, lambda: paged_cache(b, n)))[
+                    :: 1 if r % 2 else -1
+                ]:
                     switch()
                     cache = caches[name]
                     t0 = time.perf_counter()
@@ -683,12 +783,17 @@ def hf_bench(session, args) -> dict:
                     if r:
                         step_ms[name].append(t)
                         prompt_ms[name].append(tp)
-            row = dict(batch=b, context=n, calls_per_round=calls, rounds=rounds,
-                       decode_hf_ms=round(statistics.median(step_ms["hf"]), 3),
-                       decode_ours_ms=round(statistics.median(step_ms["ours"]), 3),
-                       prompt_hf_ms=round(statistics.median(prompt_ms["hf"]), 3),
-                       prompt_ours_ms=round(statistics.median(prompt_ms["ours"]), 3),
-                       rounds_ms=dict(decode=step_ms, prompt=prompt_ms))
+            row = dict(
+                batch=b,
+                context=n,
+                calls_per_round=calls,
+                rounds=rounds,
+                decode_hf_ms=round(statistics.median(step_ms["hf"]), 3),
+                decode_ours_ms=round(statistics.median(step_ms["ours"]), 3),
+                prompt_hf_ms=round(statistics.median(prompt_ms["hf"]), 3),
+                prompt_ours_ms=round(statistics.median(prompt_ms["ours"]), 3),
+                rounds_ms=dict(decode=step_ms, prompt=prompt_ms),
+            )
             row["decode_x_hf"] = round(row["decode_hf_ms"] / row["decode_ours_ms"], 3)
             row["prompt_x_hf"] = round(row["prompt_hf_ms"] / row["prompt_ours_ms"], 3)
             del caches
@@ -721,8 +826,9 @@ def hf_bench(session, args) -> dict:
             return model.generate(prompt, **gen_kw, **static_kw)
 
         def gen_ours():
-            return fmha_hf.generate(model, prompt, session=session, num_pages=b * (-(-(n + new) // PAGE) + 1),
-                                    device_pool=pool, **gen_kw)
+            return fmha_hf.generate(
+                model, prompt, session=session, num_pages=b * (-(-(n + new) // PAGE) + 1), device_pool=pool, **gen_kw
+            )
 
         gens = {"hf_dynamic": gen_hf, "hf_static": gen_static, "ours": gen_ours}
         seqs, t_first, gen_errors = {}, {}, {}
@@ -740,15 +846,25 @@ def hf_bench(session, args) -> dict:
         gen_ms = {name: [] for name in gens}
         names = list(gens)
         for r in range(rounds):
-            for name in names[r % 3:] + names[: r % 3]:
+            for name in names[r % 3 :] + names[: r % 3]:
                 t0 = time.perf_counter()
                 gens[name]()
                 sync()
                 gen_ms[name].append((time.perf_counter() - t0) * 1e3)
-        gen = dict(batch=b, prompt=n, new_tokens=new, rounds=rounds, first_call_s=t_first, errors=gen_errors,
-                   static_auto_compile=dev != "cpu" and not args.hf_static_no_compile, rounds_ms=gen_ms,
-                   **{f"{k}_ms": round(statistics.median(gen_ms[k]), 2) if gen_ms.get(k) else None for k in
-                      ("hf_dynamic", "hf_static", "ours")})
+        gen = dict(
+            batch=b,
+            prompt=n,
+            new_tokens=new,
+            rounds=rounds,
+            first_call_s=t_first,
+            errors=gen_errors,
+            static_auto_compile=dev != "cpu" and not args.hf_static_no_compile,
+            rounds_ms=gen_ms,
+            **{
+                f"{k}_ms": round(statistics.median(gen_ms[k]), 2) if gen_ms.get(k) else None
+                for k in ("hf_dynamic", "hf_static", "ours")
+            },
+        )
         for key in ("hf_dynamic", "hf_static"):
             a, o = gen[f"{key}_ms"], gen["ours_ms"]
             gen[f"ours_x_{key}"] = round(a / o, 3) if a and o else None
@@ -760,8 +876,12 @@ def hf_bench(session, args) -> dict:
             # HF eager fp32 against ours: the tokens must be identical.
             model.set_attn_implementation("eager")
             eager = model.generate(prompt, **gen_kw)
-            check = dict(reference="HF eager fp32", tokens_equal=bool(torch.equal(eager, seqs["ours"])),
-                         first_tokens_hf_eager=eager[0, n:n + 8].tolist(), first_tokens_ours=seqs["ours"][0, n:n + 8].tolist())
+            check = dict(
+                reference="HF eager fp32",
+                tokens_equal=bool(torch.equal(eager, seqs["ours"])),
+                first_tokens_hf_eager=eager[0, n : n + 8].tolist(),
+                first_tokens_ours=seqs["ours"][0, n : n + 8].tolist(),
+            )
     print()
     print("| HF model step | HF sdpa + DynamicCache ms | turbine-fmha + PagedCache ms | x HF |")
     print("|---|---|---|---|")
@@ -769,22 +889,33 @@ def hf_bench(session, args) -> dict:
         if "error" in s:
             print(f"| b{s['batch']} x {s['context']} | FAILED: {s['error']} | | |")
             continue
-        print(f"| decode step b{s['batch']} x {s['context']} | {s['decode_hf_ms']:.2f} | {s['decode_ours_ms']:.2f} | {s['decode_x_hf']:.2f} |")
-        print(f"| prompt forward b{s['batch']} x {s['context']} | {s['prompt_hf_ms']:.2f} | {s['prompt_ours_ms']:.2f} | {s['prompt_x_hf']:.2f} |")
+        print(
+            f"| decode step b{s['batch']} x {s['context']} | {s['decode_hf_ms']:.2f} | {s['decode_ours_ms']:.2f} | {s['decode_x_hf']:.2f} |"
+        )
+        print(
+            f"| prompt forward b{s['batch']} x {s['context']} | {s['prompt_hf_ms']:.2f} | {s['prompt_ours_ms']:.2f} | {s['prompt_x_hf']:.2f} |"
+        )
     print()
-    print(f"| generate b{b} x {n} + {new} tokens | HF sdpa dynamic ms | HF static ms{' (auto-compiled)' if gen['static_auto_compile'] else ''} | "
-          "turbine-fmha ms | x HF dynamic | x HF static | tokens equal (ours vs HF dynamic / static) |")
+    print(
+        f"| generate b{b} x {n} + {new} tokens | HF sdpa dynamic ms | HF static ms{' (auto-compiled)' if gen['static_auto_compile'] else ''} | "
+        "turbine-fmha ms | x HF dynamic | x HF static | tokens equal (ours vs HF dynamic / static) |"
+    )
     print("|---|---|---|---|---|---|---|")
+
     def cell(x, f):
         return "failed" if x is None else format(x, f)
 
-    print(f"| generate | {cell(gen['hf_dynamic_ms'], '.1f')} | {cell(gen['hf_static_ms'], '.1f')} | "
-          f"{cell(gen['ours_ms'], '.1f')} | {cell(gen['ours_x_hf_dynamic'], '.2f')} | "
-          f"{cell(gen['ours_x_hf_static'], '.2f')} | "
-          f"{gen['tokens_equal_hf_sdpa_dynamic']} / {gen['tokens_equal_hf_static']} |")
+    print(
+        f"| generate | {cell(gen['hf_dynamic_ms'], '.1f')} | {cell(gen['hf_static_ms'], '.1f')} | "
+        f"{cell(gen['ours_ms'], '.1f')} | {cell(gen['ours_x_hf_dynamic'], '.2f')} | "
+        f"{cell(gen['ours_x_hf_static'], '.2f')} | "
+        f"{gen['tokens_equal_hf_sdpa_dynamic']} / {gen['tokens_equal_hf_static']} |"
+    )
     if check:
-        print(f"\ntokens, HF eager fp32 vs turbine-fmha fp32 ({new} new tokens x {b} sequences): "
-              f"{'identical' if check['tokens_equal'] else 'DIFFER'}")
+        print(
+            f"\ntokens, HF eager fp32 vs turbine-fmha fp32 ({new} new tokens x {b} sequences): "
+            f"{'identical' if check['tokens_equal'] else 'DIFFER'}"
+        )
     return dict(model=info, steps=steps, generate=gen, token_check=check)
 
 
@@ -796,17 +927,26 @@ def make_session(args, compile_missing=None):
     artifacts = args.artifacts or (args.cache_dir if args.compile_missing else None)
     if artifacts is None:
         raise SystemExit("pass --artifacts DIR (prebuilt artifacts), or --compile-missing [--cache-dir DIR]")
-    return turbine_fmha.Session(args.device, artifact_dir=artifacts, compile_missing=compile_missing,
-                                cache_dir=args.cache_dir if compile_missing else None)
+    return turbine_fmha.Session(
+        args.device,
+        artifact_dir=artifacts,
+        compile_missing=compile_missing,
+        cache_dir=args.cache_dir if compile_missing else None,
+    )
 
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if out.returncode == 0 and out.stdout.strip():
-            dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
             return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
@@ -838,17 +978,26 @@ def load_average():
 
 def environment(args, session) -> dict:
     import iree.runtime.version
-
     import torch
 
-    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               commit=git_commit(), device=args.device, device_name=device_name(args.device),
-               python=platform.python_version(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
-               iree_runtime=iree.runtime.version.VERSION, turbine_fmha=turbine_fmha.__version__,
-               turbine_fmha_path=str(Path(turbine_fmha.__file__).parent),
-               artifacts=str(session.artifact_dir), compile_missing=args.compile_missing,
-               compute_units=session.compute_units, quick=args.quick, command=" ".join(sys.argv),
-               load_average_at_start=load_average())
+    env = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=git_commit(),
+        device=args.device,
+        device_name=device_name(args.device),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        iree_runtime=iree.runtime.version.VERSION,
+        turbine_fmha=turbine_fmha.__version__,
+        turbine_fmha_path=str(Path(turbine_fmha.__file__).parent),
+        artifacts=str(session.artifact_dir),
+        compile_missing=args.compile_missing,
+        compute_units=session.compute_units,
+        quick=args.quick,
+        command=" ".join(sys.argv),
+        load_average_at_start=load_average(),
+    )
     try:
         import transformers
 
@@ -862,20 +1011,36 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--artifacts", default=None, help="prebuilt artifact directory (Session(device, artifact_dir=DIR))")
-    ap.add_argument("--compile-missing", action="store_true", help="compile variants missing from --artifacts into --cache-dir")
-    ap.add_argument("--cache-dir", default=os.environ.get("TURBINE_FMHA_CACHE", "/tmp/turbine-fmha-as-called"),
-                    help="where --compile-missing compiles (default $TURBINE_FMHA_CACHE, else %(default)s)")
+    ap.add_argument(
+        "--compile-missing", action="store_true", help="compile variants missing from --artifacts into --cache-dir"
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=os.environ.get("TURBINE_FMHA_CACHE", "/tmp/turbine-fmha-as-called"),
+        help="where --compile-missing compiles (default $TURBINE_FMHA_CACHE, else %(default)s)",
+    )
     ap.add_argument("--quick", action="store_true", help="small shapes (CPU smoke runs)")
-    ap.add_argument("--shape", action="append", default=None, metavar="SPEC",
-                    help="a row, KIND:BxN[+C][:HQ/HK][:HND] (repeatable; replaces the defaults)")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="a row, KIND:BxN[+C][:HQ/HK][:HND] (repeatable; replaces the defaults)",
+    )
     ap.add_argument("--arrays", default=None, help="cpu: comma list of numpy,torch (default both); cuda: torch")
     ap.add_argument("--dtype", choices=sorted(BOUND), default="f16")
     ap.add_argument("--calls", type=int, default=None, help="calls per round (default: ~--round-s per round)")
     ap.add_argument("--round-s", type=float, default=None, help="target seconds per round (default 0.2 cuda, 0.3 cpu)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per column (default 7 cuda, 3 cpu)")
-    ap.add_argument("--warmup-s", type=float, default=None, help="warm-up seconds per column (default 0.5; cpu 1.0, quick 0.3)")
-    ap.add_argument("--torch-gqa", choices=["enable", "repeat"], default="enable",
-                    help="torch's GQA: SDPA's enable_gqa, or K/V repeat_interleave'd to the query heads")
+    ap.add_argument(
+        "--warmup-s", type=float, default=None, help="warm-up seconds per column (default 0.5; cpu 1.0, quick 0.3)"
+    )
+    ap.add_argument(
+        "--torch-gqa",
+        choices=["enable", "repeat"],
+        default="enable",
+        help="torch's GQA: SDPA's enable_gqa, or K/V repeat_interleave'd to the query heads",
+    )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the rows here (default $OUT/as_called.json when $OUT is set)")
@@ -888,10 +1053,16 @@ def main() -> int:
     ap.add_argument("--hf-vocab", type=int, default=1024)
     ap.add_argument("--hf-init", type=float, default=None, help="initializer_range (default 0.2 in fp32, 0.02 in fp16)")
     ap.add_argument("--hf-new-tokens", type=int, default=32)
-    ap.add_argument("--hf-device-pool", action="store_true",
-                    help="PagedCache(device_pool=True) on the CPU too (a GPU session's default; needs the append kernels)")
-    ap.add_argument("--hf-static-no-compile", action="store_true",
-                    help="generate(cache_implementation='static') with disable_compile=True (a GPU auto-compiles it otherwise)")
+    ap.add_argument(
+        "--hf-device-pool",
+        action="store_true",
+        help="PagedCache(device_pool=True) on the CPU too (a GPU session's default; needs the append kernels)",
+    )
+    ap.add_argument(
+        "--hf-static-no-compile",
+        action="store_true",
+        help="generate(cache_implementation='static') with disable_compile=True (a GPU auto-compiles it otherwise)",
+    )
     args = ap.parse_args()
     args.hf = args.hf or args.hf_only
     cpu = args.device == "cpu"
@@ -917,8 +1088,20 @@ def main() -> int:
     session = make_session(args)
     env = environment(args, session)
     print("# as-called benchmark" + (" (quick: smoke-run shapes)" if args.quick else ""))
-    for key in ("date", "commit", "device_name", "python", "torch", "transformers", "iree_runtime", "turbine_fmha_path",
-                "artifacts", "compute_units", "torch_threads", "load_average_at_start"):
+    for key in (
+        "date",
+        "commit",
+        "device_name",
+        "python",
+        "torch",
+        "transformers",
+        "iree_runtime",
+        "turbine_fmha_path",
+        "artifacts",
+        "compute_units",
+        "torch_threads",
+        "load_average_at_start",
+    ):
         print(f"- {key}: {env[key]}")
     print(flush=True)
     rows = []
@@ -935,8 +1118,14 @@ def main() -> int:
                     print(f"{sh.label}, {arrays}: FAILED, {what}: {first}", flush=True)
                     if not isinstance(e, turbine_fmha.ArtifactError):
                         traceback.print_exc()
-                    rows.append(dict(name=sh.label, arrays="numpy" if arrays == "numpy" else f"torch {args.device}",
-                                     error=f"{what}: {first}", ok=False))
+                    rows.append(
+                        dict(
+                            name=sh.label,
+                            arrays="numpy" if arrays == "numpy" else f"torch {args.device}",
+                            error=f"{what}: {first}",
+                            ok=False,
+                        )
+                    )
                     failed = True
                     continue
                 del case
@@ -954,9 +1143,11 @@ def main() -> int:
             hf = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             print(f"--hf FAILED: {hf['error']}", flush=True)
             failed = True
-    if hf and ((hf.get("token_check") and not hf["token_check"]["tokens_equal"])
-               or "ours" in hf.get("generate", {}).get("errors", {})
-               or any("error" in s for s in hf.get("steps", []))):
+    if hf and (
+        (hf.get("token_check") and not hf["token_check"]["tokens_equal"])
+        or "ours" in hf.get("generate", {}).get("errors", {})
+        or any("error" in s for s in hf.get("steps", []))
+    ):
         failed = True
     env["load_average_at_end"] = load_average()
     print(f"\n- load_average_at_end: {env['load_average_at_end']}")

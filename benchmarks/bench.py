@@ -44,14 +44,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import _bf16, aligned_empty  # noqa: E402
-from turbine_fmha.build.artifacts import ArtifactError  # noqa: E402
-from turbine_fmha.calls import plan as tf_plan  # noqa: E402
-from turbine_fmha.calls.mask import MaskSpec  # noqa: E402
-from turbine_fmha.calls.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv  # noqa: E402
-from turbine_fmha.kernels.variants import KV_LAYOUTS, Variant, bias_shape_of, online_variant  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.build.artifacts import ArtifactError
+from turbine_fmha.calls import plan as tf_plan
+from turbine_fmha.calls.mask import MaskSpec
+from turbine_fmha.calls.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv
+from turbine_fmha.core.arrays import _bf16, aligned_empty
+from turbine_fmha.kernels.variants import KV_LAYOUTS, Variant, bias_shape_of, online_variant
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 SHAPES = {
     "cpu": [
@@ -147,8 +147,12 @@ FEATURES = {
     "window 256": dict(window_size_left=256),
     "window 256 + 4 sink tokens": dict(window_size_left=256, sink_size=4),
     "alibi": dict(alibi_slopes=lambda rng, sh: (2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ)).astype(np.float32)),
-    "bias [1,1,sq,sk]": dict(bias=lambda rng, sh: rng.standard_normal((1, 1, sh["seqlen_q"], sh["seqlen_k"]), dtype=np.float32)),
-    "bias [1,h,sq,sk]": dict(bias=lambda rng, sh: rng.standard_normal((1, HQ, sh["seqlen_q"], sh["seqlen_k"]), dtype=np.float32)),
+    "bias [1,1,sq,sk]": dict(
+        bias=lambda rng, sh: rng.standard_normal((1, 1, sh["seqlen_q"], sh["seqlen_k"]), dtype=np.float32)
+    ),
+    "bias [1,h,sq,sk]": dict(
+        bias=lambda rng, sh: rng.standard_normal((1, HQ, sh["seqlen_q"], sh["seqlen_k"]), dtype=np.float32)
+    ),
     "soft-cap 30": dict(logits_soft_cap=30.0),
     "attention sinks": dict(sinks=lambda rng, sh: rng.uniform(-1, 1, HQ).astype(np.float32)),
 }
@@ -164,18 +168,27 @@ def feature_kwargs(name, rng, shape):
 def feature_variant(dtype, shape, kw, tiles=None):
     bias = kw.get("bias")
     problem = Variant(
-        dtype, D, D, HQ, HK, PAGE, kw["mask_type"],
+        dtype,
+        D,
+        D,
+        HQ,
+        HK,
+        PAGE,
+        kw["mask_type"],
         bias="alibi" if kw.get("alibi_slopes") is not None else ("elementwise" if bias is not None else "none"),
         bias_shape=bias_shape_of(bias),
-        softcap=kw.get("logits_soft_cap", 0.0) > 0, sinks=kw.get("sinks") is not None, kv_layout=KV_LAYOUT,
+        softcap=kw.get("logits_soft_cap", 0.0) > 0,
+        sinks=kw.get("sinks") is not None,
+        kv_layout=KV_LAYOUT,
     ).problem
     if tiles is None:
         return problem
     return online_variant(problem, *tiles)
 
 
-def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_splits=1, tiles=None, v_guard=False,
-               merge=True):
+def bench_ours(
+    session, shape, inputs, dtype, repeat, kw=None, api=True, num_splits=1, tiles=None, v_guard=False, merge=True
+):
     """Times the kernel calls on device-resident inputs. num_splits > 1 runs
     split-KV: merged inside the module where the session has such a variant
     and `merge` allows it, else with the partials copied back and merged on
@@ -195,22 +208,40 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     if tiles:
         variant = online_variant(problem, *tiles, v_guard=v_guard)
     else:
-        mask = MaskSpec(kw["mask_type"], kw.get("window_size_left", -1), kw.get("window_size_right", -1),
-                        kw.get("sink_size", 0))
-        variant = session.select(problem, shape["seqlen_q"], nb, stale_rows_finite=not v_guard,
-                                 merge=num_splits if merged else 0, skips_masked=mask.has_right_edge)
+        mask = MaskSpec(
+            kw["mask_type"], kw.get("window_size_left", -1), kw.get("window_size_right", -1), kw.get("sink_size", 0)
+        )
+        variant = session.select(
+            problem,
+            shape["seqlen_q"],
+            nb,
+            stale_rows_finite=not v_guard,
+            merge=num_splits if merged else 0,
+            skips_masked=mask.has_right_edge,
+        )
     loaded = session._load(variant)
     device = session._iree_config().device
     slopes = kw.get("alibi_slopes")
     call = KernelCall(
-        rows=shape["seqlen_q"], q_itemsize=q.itemsize, nhead_q=HQ, block_table=bt,
-        seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32), seqlen_k=sk,
-        kv_shift=np.zeros(shape["batch"], np.int32), scale=1.0 / math.sqrt(D), softcap=kw.get("logits_soft_cap", 0.0),
-        scale_o=1.0, scale_p=1.0,
-        mask=MaskSpec(kw["mask_type"], kw.get("window_size_left", -1), kw.get("window_size_right", -1),
-                      kw.get("sink_size", 0)),
-        alibi_slopes=None if slopes is None else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),
-        bias=kw.get("bias"), sinks=kw.get("sinks"),
+        rows=shape["seqlen_q"],
+        q_itemsize=q.itemsize,
+        nhead_q=HQ,
+        block_table=bt,
+        seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32),
+        seqlen_k=sk,
+        kv_shift=np.zeros(shape["batch"], np.int32),
+        scale=1.0 / math.sqrt(D),
+        softcap=kw.get("logits_soft_cap", 0.0),
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec(
+            kw["mask_type"], kw.get("window_size_left", -1), kw.get("window_size_right", -1), kw.get("sink_size", 0)
+        ),
+        alibi_slopes=None
+        if slopes is None
+        else np.ascontiguousarray(np.broadcast_to(slopes, (shape["batch"], HQ)), np.float32),
+        bias=kw.get("bias"),
+        sinks=kw.get("sinks"),
     )
     qq = q
     if num_splits > 1:
@@ -258,9 +289,11 @@ def bench_ours(session, shape, inputs, dtype, repeat, kw=None, api=True, num_spl
     api_ms = float("nan")
     if api:
         api_ms = median_ms(
-            lambda: turbine_fmha.fmha_fwd_paged(*inputs, session=session, device=session.device, kv_layout=KV_LAYOUT,
-                                                **kw),
-            max(3, repeat // 3), warmup=1,
+            lambda: turbine_fmha.fmha_fwd_paged(
+                *inputs, session=session, device=session.device, kv_layout=KV_LAYOUT, **kw
+            ),
+            max(3, repeat // 3),
+            warmup=1,
         )
     return variant, ms, api_ms, len(calls), copy_ms
 
@@ -269,8 +302,19 @@ def auto_splits(session, shape, inputs, kw) -> int:
     """The split count the runtime plans for this call."""
     _, kc, _, bt, sk = inputs
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, sk, num_pages=kc.shape[0], page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype=kc.dtype,
-        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw)
+        bt,
+        sk,
+        num_pages=kc.shape[0],
+        page_block_size=PAGE,
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        dtype=kc.dtype,
+        seqlen_q=shape["seqlen_q"],
+        kv_rows_finite=True,
+        kv_layout=KV_LAYOUT,
+        **kw,
+    )
     return attn._plan.splits
 
 
@@ -280,7 +324,7 @@ def bench_planned(session, shape, inputs, dtype, repeat, kw):
     them: torch tensors on the GPU for cuda, numpy for the CPU. The caches
     are promised finite (kv_rows_finite, as PagedKVCache does)."""
     q, kc, vc, bt, sk = inputs
-    sync = lambda: None  # noqa: E731
+    sync = lambda: None
     if session.device == "cuda":
         import torch
 
@@ -289,22 +333,41 @@ def bench_planned(session, shape, inputs, dtype, repeat, kw):
         q, kc, vc = (_numpy_to_torch(a).to("cuda:0") for a in (q, kc, vc))
         sync = torch.cuda.synchronize
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, sk, num_pages=kc.shape[0], page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype=dtype,
-        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw)
+        bt,
+        sk,
+        num_pages=kc.shape[0],
+        page_block_size=PAGE,
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        dtype=dtype,
+        seqlen_q=shape["seqlen_q"],
+        kv_rows_finite=True,
+        kv_layout=KV_LAYOUT,
+        **kw,
+    )
     run_ms = median_ms(lambda: attn.run(q, kc, vc), repeat, sync=sync)
-    one_ms = median_ms(lambda: turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, session=session, device=session.device,
-                                                           kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw),
-                       repeat, sync=sync)
+    one_ms = median_ms(
+        lambda: turbine_fmha.fmha_fwd_paged(
+            q, kc, vc, bt, sk, session=session, device=session.device, kv_rows_finite=True, kv_layout=KV_LAYOUT, **kw
+        ),
+        repeat,
+        sync=sync,
+    )
     return run_ms, one_ms
 
 
 SPLIT_SHAPES = {
-    "cpu": [dict(name="decode", batch=1, seqlen_q=1, seqlen_k=16384, mask="none"),
-            dict(name="decode", batch=8, seqlen_q=1, seqlen_k=2048, mask="none")],
-    "cuda": [dict(name="decode", batch=1, seqlen_q=1, seqlen_k=32768, mask="none"),
-             dict(name="decode", batch=1, seqlen_q=1, seqlen_k=4096, mask="none"),
-             dict(name="decode", batch=4, seqlen_q=1, seqlen_k=32768, mask="none"),
-             dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096, mask="none")],
+    "cpu": [
+        dict(name="decode", batch=1, seqlen_q=1, seqlen_k=16384, mask="none"),
+        dict(name="decode", batch=8, seqlen_q=1, seqlen_k=2048, mask="none"),
+    ],
+    "cuda": [
+        dict(name="decode", batch=1, seqlen_q=1, seqlen_k=32768, mask="none"),
+        dict(name="decode", batch=1, seqlen_q=1, seqlen_k=4096, mask="none"),
+        dict(name="decode", batch=4, seqlen_q=1, seqlen_k=32768, mask="none"),
+        dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096, mask="none"),
+    ],
 }
 
 
@@ -320,22 +383,38 @@ def bench_split_kv(session, rng, dtype, repeat, no_torch):
         for n, merge in sorted({(1, True), (auto, True), (4, True), (16, True), (auto, False)}):
             if n == 1 and not merge:
                 continue
-            variant, ms, _, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat, api=False,
-                                                         num_splits=n, merge=merge)
-            row = dict(table="split_kv", device=session.device, dtype=dtype, batch=b, seqlen_k=sk, num_splits=n,
-                       merged_in_module=bool(variant.merge_splits), variant=variant.name,
-                       auto=n == auto, kernel_calls=ncalls, ours_ms=round(ms, 3), host_copy_merge_ms=round(copy_ms, 3),
-                       gbs=round(kv_bytes / (ms * 1e-3) / 1e9, 1),
-                       baseline_ms=round(base, 3))
+            variant, ms, _, ncalls, copy_ms = bench_ours(
+                session, shape, inputs, dtype, repeat, api=False, num_splits=n, merge=merge
+            )
+            row = dict(
+                table="split_kv",
+                device=session.device,
+                dtype=dtype,
+                batch=b,
+                seqlen_k=sk,
+                num_splits=n,
+                merged_in_module=bool(variant.merge_splits),
+                variant=variant.name,
+                auto=n == auto,
+                kernel_calls=ncalls,
+                ours_ms=round(ms, 3),
+                host_copy_merge_ms=round(copy_ms, 3),
+                gbs=round(kv_bytes / (ms * 1e-3) / 1e9, 1),
+                baseline_ms=round(base, 3),
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print("| shape | num_splits | merged | device ms | KV GB/s | output (partials) to host + merge ms | torch gather+SDPA ms |")
+    print(
+        "| shape | num_splits | merged | device ms | KV GB/s | output (partials) to host + merge ms | torch gather+SDPA ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| decode b{r['batch']} sk{r['seqlen_k']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} | "
-              f"{'module' if r['merged_in_module'] else ('host' if r['num_splits'] > 1 else '-')} | "
-              f"{r['ours_ms']:.2f} | {r['gbs']:.0f} | {r['host_copy_merge_ms']:.2f} | {r['baseline_ms']:.2f} |")
+        print(
+            f"| decode b{r['batch']} sk{r['seqlen_k']} | {r['num_splits']}{' (auto)' if r['auto'] else ''} | "
+            f"{'module' if r['merged_in_module'] else ('host' if r['num_splits'] > 1 else '-')} | "
+            f"{r['ours_ms']:.2f} | {r['gbs']:.0f} | {r['host_copy_merge_ms']:.2f} | {r['baseline_ms']:.2f} |"
+        )
     return rows
 
 
@@ -349,9 +428,13 @@ def bench_block_skipping(session, rng, dtype, repeat):
     flops = 4.0 * shape["batch"] * HQ * D * visible_elements(shape["seqlen_q"], shape["seqlen_k"], shape["mask"])
     rows = []
     if session.device == "cpu":
-        configs = [("one chunk, no skipping", dict(chunk=1 << 30)), ("32-row chunks", dict(chunk=32)),
-                   ("64-row chunks", dict(chunk=64)),
-                   ("128-row chunks", dict(chunk=128)), ("256-row chunks", dict(chunk=256))]
+        configs = [
+            ("one chunk, no skipping", dict(chunk=1 << 30)),
+            ("32-row chunks", dict(chunk=32)),
+            ("64-row chunks", dict(chunk=64)),
+            ("128-row chunks", dict(chunk=128)),
+            ("256-row chunks", dict(chunk=256)),
+        ]
     else:
         from turbine_fmha.kernels.variants import GPU_PREFILL_TILES
 
@@ -361,9 +444,19 @@ def bench_block_skipping(session, rng, dtype, repeat):
     try:
         for label, cfg in configs:
             tf_plan.MASKED_CHUNK_ROWS = cfg.get("chunk", saved)
-            variant, ms, _, ncalls, _ = bench_ours(session, shape, inputs, dtype, repeat, api=False, tiles=cfg.get("tiles"))
-            row = dict(table="block_skipping", device=session.device, dtype=dtype, config=label, variant=variant.name,
-                       kernel_calls=ncalls, ours_ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 4))
+            variant, ms, _, ncalls, _ = bench_ours(
+                session, shape, inputs, dtype, repeat, api=False, tiles=cfg.get("tiles")
+            )
+            row = dict(
+                table="block_skipping",
+                device=session.device,
+                dtype=dtype,
+                config=label,
+                variant=variant.name,
+                kernel_calls=ncalls,
+                ours_ms=round(ms, 3),
+                tflops=round(flops / (ms * 1e-3) / 1e12, 4),
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -388,16 +481,28 @@ def bench_features(session, rng, dtype, repeat):
             kw = feature_kwargs(name, rng, shape)
             variant, ms, _, _, _ = bench_ours(session, shape, inputs, dtype, repeat, kw=kw, api=False)
             plain = plain or ms
-            row = dict(table="features", name=shape["name"], feature=name, device=session.device, dtype=dtype,
-                       batch=shape["batch"], seqlen_q=shape["seqlen_q"], seqlen_k=shape["seqlen_k"],
-                       variant=variant.name, ours_ms=round(ms, 3), vs_causal=round(ms / plain, 3))
+            row = dict(
+                table="features",
+                name=shape["name"],
+                feature=name,
+                device=session.device,
+                dtype=dtype,
+                batch=shape["batch"],
+                seqlen_q=shape["seqlen_q"],
+                seqlen_k=shape["seqlen_k"],
+                variant=variant.name,
+                ours_ms=round(ms, 3),
+                vs_causal=round(ms / plain, 3),
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
     print("| shape | feature | variant | ms | vs causal |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']} | {r['feature']} | {r['variant']} | {r['ours_ms']:.2f} | {r['vs_causal']:.2f}x |")
+        print(
+            f"| {r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']} | {r['feature']} | {r['variant']} | {r['ours_ms']:.2f} | {r['vs_causal']:.2f}x |"
+        )
     return rows
 
 
@@ -487,7 +592,9 @@ def verify(session, rng, dtypes):
     cases.append(("f16", 1, [20000], dict(mask_type="bottom_right", window_size_right=0), "split-kv auto"))
     for fname, make in feats.items():
         cases.append(("f16", 1, [300, 17, 1, 0, 45], dict(mask_type="none", _feature=make), fname))
-        cases.append(("f16", 150, [200, 150], dict(mask_type="bottom_right", window_size_right=0, _feature=make), fname))
+        cases.append(
+            ("f16", 150, [200, 150], dict(mask_type="bottom_right", window_size_right=0, _feature=make), fname)
+        )
     rows = []
     for dtype, sq, sks, kw, label in cases:
         kw = dict(kw)
@@ -525,8 +632,18 @@ def verify(session, rng, dtypes):
         if label == "soft-cap":
             q = q * np.asarray(4, dt)
         sk = np.array(sks, np.int32)
-        out, lse = turbine_fmha.fmha_fwd_paged(q, as_layout(kc), as_layout(vc), bt, sk, return_lse=True,
-                                               session=session, device=session.device, kv_layout=KV_LAYOUT, **kw)
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q,
+            as_layout(kc),
+            as_layout(vc),
+            bt,
+            sk,
+            return_lse=True,
+            session=session,
+            device=session.device,
+            kv_layout=KV_LAYOUT,
+            **kw,
+        )
         ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, sk, **{k: a for k, a in kw.items() if k != "num_splits"})
         err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
         fin = np.isfinite(ref_lse)
@@ -539,8 +656,13 @@ def verify(session, rng, dtypes):
             err = float(np.count_nonzero(out.astype(np.float64) != ref) / ref.size)
             tol = 0.01
         ok = err <= tol and lerr <= 3e-2 and inf_ok
-        rows.append(dict(dtype=dtype, seqlen_q=sq, mask=kw["mask_type"], feature=label, rel_err=err, lse_abs_err=lerr, ok=ok))
-        print(f"verify {session.device} {dtype} sq={sq} {kw['mask_type']} {label}: rel err {err:.2e}, lse err {lerr:.2e}, -inf rows ok {inf_ok} -> {'OK' if ok else 'FAIL'}", flush=True)
+        rows.append(
+            dict(dtype=dtype, seqlen_q=sq, mask=kw["mask_type"], feature=label, rel_err=err, lse_abs_err=lerr, ok=ok)
+        )
+        print(
+            f"verify {session.device} {dtype} sq={sq} {kw['mask_type']} {label}: rel err {err:.2e}, lse err {lerr:.2e}, -inf rows ok {inf_ok} -> {'OK' if ok else 'FAIL'}",
+            flush=True,
+        )
     return rows
 
 
@@ -555,9 +677,13 @@ def main() -> int:
     ap.add_argument("--verify-only", action="store_true", help="verify on the device, time nothing")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--features", action="store_true", help="also time each score-side feature vs plain causal (fp16)")
-    ap.add_argument("--list-feature-variants", action="store_true", help="print the variants --features needs, then exit")
+    ap.add_argument(
+        "--list-feature-variants", action="store_true", help="print the variants --features needs, then exit"
+    )
     ap.add_argument("--split-kv", action="store_true", help="also time decode with split-KV at several split counts")
-    ap.add_argument("--block-skipping", action="store_true", help="also time causal prefill with and without masked-block skipping")
+    ap.add_argument(
+        "--block-skipping", action="store_true", help="also time causal prefill with and without masked-block skipping"
+    )
     ap.add_argument("--kv-layout", choices=KV_LAYOUTS, default="NHD", help="the caches' page layout")
     args = ap.parse_args()
     global KV_LAYOUT
@@ -600,15 +726,17 @@ def main() -> int:
             inputs = make_inputs(rng, shape, dtype)
             kw = dict(mask_type=shape["mask"], window_size_right=0 if shape["mask"] != "none" else -1)
             splits = auto_splits(session, shape, inputs, kw)
-            variant, ours, ours_api, ncalls, copy_ms = bench_ours(session, shape, inputs, dtype, repeat,
-                                                                  num_splits=splits)
+            variant, ours, ours_api, ncalls, copy_ms = bench_ours(
+                session, shape, inputs, dtype, repeat, num_splits=splits
+            )
             guarded = float("nan")
             if args.device != "cpu":
                 # The same call through the variant with the V guard (what
                 # runs when stale value rows are not finite).
                 try:
-                    guarded = bench_ours(session, shape, inputs, dtype, repeat, api=False, v_guard=True,
-                                         num_splits=splits)[1]
+                    guarded = bench_ours(
+                        session, shape, inputs, dtype, repeat, api=False, v_guard=True, num_splits=splits
+                    )[1]
                 except ArtifactError as e:  # an artifact directory without guarded variants
                     print(f"no guarded variant: {str(e).splitlines()[0]}", flush=True)
             run_ms, one_ms = bench_planned(session, shape, inputs, dtype, repeat, kw)
@@ -617,12 +745,30 @@ def main() -> int:
                 base, roof = bench_torch(shape, inputs, dtype, args.device, repeat)
             b, sq, sk = shape["batch"], shape["seqlen_q"], shape["seqlen_k"]
             row = dict(
-                name=shape["name"], device=args.device, dtype=dtype, batch=b, seqlen_q=sq, seqlen_k=sk,
-                nhead_q=HQ, nhead_k=HK, hdim=D, page=PAGE, kv_layout=KV_LAYOUT, mask=shape["mask"],
+                name=shape["name"],
+                device=args.device,
+                dtype=dtype,
+                batch=b,
+                seqlen_q=sq,
+                seqlen_k=sk,
+                nhead_q=HQ,
+                nhead_k=HK,
+                hdim=D,
+                page=PAGE,
+                kv_layout=KV_LAYOUT,
+                mask=shape["mask"],
                 variant=variant.name,
-                kernel_calls=ncalls, num_splits=splits, ours_ms=round(ours, 3), ours_host_copy_ms=round(copy_ms, 3),
-                ours_v_guard_ms=round(guarded, 3), ours_api_ms=round(ours_api, 3),
-                ours_run_ms=round(run_ms, 3), ours_one_shot_ms=round(one_ms, 3), baseline_ms=round(base, 3), sdpa_contig_ms=round(roof, 3), **extra,
+                kernel_calls=ncalls,
+                num_splits=splits,
+                ours_ms=round(ours, 3),
+                ours_host_copy_ms=round(copy_ms, 3),
+                ours_v_guard_ms=round(guarded, 3),
+                ours_api_ms=round(ours_api, 3),
+                ours_run_ms=round(run_ms, 3),
+                ours_one_shot_ms=round(one_ms, 3),
+                baseline_ms=round(base, 3),
+                sdpa_contig_ms=round(roof, 3),
+                **extra,
             )
             if shape["name"] == "decode":
                 kv_bytes = b * sk * HK * 2 * D * np_dtype(dtype).itemsize
@@ -637,7 +783,9 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     print()
-    print(f"| shape | dtype | ours ms (device) | output to host ms | ours with V guard ms | ours (API, numpy) ms | run() ms | one-shot ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |")
+    print(
+        f"| shape | dtype | ours ms (device) | output to host ms | ours with V guard ms | ours (API, numpy) ms | run() ms | one-shot ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours {'/'.join(sorted({r['unit'] for r in rows}))} | torch gather+SDPA | speedup vs torch |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         shape = f"{r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']}"

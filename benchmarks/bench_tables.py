@@ -11,14 +11,18 @@ def rate(r, key):
 
 
 def shape(r):
-    return f"{r['name']} b{r['batch']} " + (f"sk{r['seqlen_k']}" if r["name"] == "decode" else f"{r['seqlen_q']} causal")
+    return f"{r['name']} b{r['batch']} " + (
+        f"sk{r['seqlen_k']}" if r["name"] == "decode" else f"{r['seqlen_q']} causal"
+    )
 
 
 def main(path):
     rows = json.load(open(path))
     main_rows = [r for r in rows if "table" not in r]  # split_kv / block_skipping rows print in bench.py
     feat = [r for r in rows if r.get("table") == "features"]
-    print("| shape | dtype | variant | ours ms | ours (API) ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours | torch gather+SDPA | speedup vs torch gather+SDPA |")
+    print(
+        "| shape | dtype | variant | ours ms | ours (API) ms | torch gather+SDPA ms | torch SDPA contiguous ms | ours | torch gather+SDPA | speedup vs torch gather+SDPA |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in main_rows:
         print(
@@ -31,7 +35,9 @@ def main(path):
         print("| shape | feature | ms | vs causal |")
         print("|---|---|---|---|")
         for r in feat:
-            print(f"| {r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']} | {r['feature']} | {r['ours_ms']:.2f} | {r['vs_causal']:.2f}x |")
+            print(
+                f"| {r['name']} b{r['batch']} sq{r['seqlen_q']} sk{r['seqlen_k']} | {r['feature']} | {r['ours_ms']:.2f} | {r['vs_causal']:.2f}x |"
+            )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,19 @@ def online_mlir(causal: bool) -> str:
     t, ta = f"tensor<{H}x{S}x{D}xf16>", f"tensor<{H}x{S}x{D}xf32>"
     tr, tm = f"tensor<{H}x{S}xf32>", f"tensor<{S}x{S}xi1>"
     dims = "affine_map<(d0, d1, d2, d3, d4) -> "
-    maps = [dims + r + ">" for r in ("(d0, d1, d2)", "(d0, d3, d2)", "(d0, d3, d4)", "()", "(d1, d3)",
-                                     "(d0, d1, d4)", "(d0, d1)", "(d0, d1)")]
+    maps = [
+        dims + r + ">"
+        for r in (
+            "(d0, d1, d2)",
+            "(d0, d3, d2)",
+            "(d0, d3, d4)",
+            "()",
+            "(d1, d3)",
+            "(d0, d1, d4)",
+            "(d0, d1)",
+            "(d0, d1)",
+        )
+    ]
     keep = "%ok = arith.cmpi sle, %j, %i : index" if causal else "%ok = arith.constant true"
     return f"""func.func @{NAME}(%q: {t}, %k: {t}, %v: {t}) -> {t} {{
   %scale = arith.constant {1 / np.sqrt(D):.8f} : f32
@@ -114,8 +125,9 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
     for tag, source in ROOFS.items():
-        seconds, report, _ = compiler._compile_one(source(), NAME, (out / f"{tag}.vmfb").resolve(),
-                                                   targets.TARGETS["cuda"])
+        seconds, report, _ = compiler._compile_one(
+            source(), NAME, (out / f"{tag}.vmfb").resolve(), targets.TARGETS["cuda"]
+        )
         reports[tag] = dict(report, seconds=round(seconds, 2))
         print(tag, reports[tag])
     (out / "roof.json").write_text(json.dumps(reports, indent=1))
@@ -130,16 +142,18 @@ def run(out: Path, repeat: int) -> None:
     session = turbine_fmha.Session("cuda", artifact_dir="/nonexistent-roof")
     cfg, dev = session._iree_config(), session.device_of()
     rng = np.random.default_rng(0)
-    q, k, v = (rt.asdevicearray(dev, rng.standard_normal((H, S, D), dtype=np.float32).astype(np.float16))
-               for _ in range(3))
+    q, k, v = (
+        rt.asdevicearray(dev, rng.standard_normal((H, S, D), dtype=np.float32).astype(np.float16)) for _ in range(3)
+    )
     flops = 4.0 * H * S * S * D
     visible = 4.0 * H * S * (S + 1) / 2 * D
     for tag in ROOFS:
         path = out / f"{tag}.vmfb"
         if not path.exists():
             continue
-        loaded = _Loaded(type("V", (), {"name": NAME})(), rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes()),
-                         cfg, spin=True)
+        loaded = _Loaded(
+            type("V", (), {"name": NAME})(), rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes()), cfg, spin=True
+        )
         last = [None]
 
         def call():
@@ -156,9 +170,13 @@ def run(out: Path, repeat: int) -> None:
         ms = (time.perf_counter() - t0) * 1e3 / repeat
         out_h = last[0].results(1)[0].to_host().astype(np.float32)
         causal = tag.endswith("causal")
-        print(f"roof ({tag}): {ms:.3f} ms, {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s over all {H}x{S}x{S} "
-              f"elements" + (f", {visible / (ms * 1e-3) / 1e12:.1f} over the visible (causal) ones" if causal else "")
-              + f"; output finite: {bool(np.isfinite(out_h).all())}", flush=True)
+        print(
+            f"roof ({tag}): {ms:.3f} ms, {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s over all {H}x{S}x{S} "
+            f"elements"
+            + (f", {visible / (ms * 1e-3) / 1e12:.1f} over the visible (causal) ones" if causal else "")
+            + f"; output finite: {bool(np.isfinite(out_h).all())}",
+            flush=True,
+        )
 
 
 def main() -> int:

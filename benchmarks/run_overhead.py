@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import _Results  # noqa: E402
+import turbine_fmha
+from turbine_fmha.core.arrays import _Results
 
 
 def timed(fn, calls: int, sync=None) -> float:
@@ -59,8 +59,9 @@ def main() -> int:
     k = torch.randn((pages, page, hk, d), dtype=torch.float16, device="cuda")
     v = torch.randn((pages, page, hk, d), dtype=torch.float16, device="cuda")
     q = torch.randn((b, 1, hq, d), dtype=torch.float16, device="cuda")
-    attn = turbine_fmha.PagedAttention(session).plan(bt, sl, num_pages=pages, page_block_size=page, nhead_q=hq,
-                                                     nhead_k=hk, hdim=d, dtype="f16", kv_rows_finite=True)
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sl, num_pages=pages, page_block_size=page, nhead_q=hq, nhead_k=hk, hdim=d, dtype="f16", kv_rows_finite=True
+    )
     plan = attn._plan
     variant = plan._variant(True)
     steps = plan._device_steps(variant, _Results(session, q))
@@ -82,29 +83,41 @@ def main() -> int:
         from turbine_fmha.calls.plan import combine_splits
 
         n = b * plan.splits
-        parts = [torch.randn((n, 1, hq, d), device="cuda").half()] + [torch.rand((n, hq, 1), device="cuda")
-                                                                      for _ in range(3)]
+        parts = [torch.randn((n, 1, hq, d), device="cuda").half()] + [
+            torch.rand((n, hq, 1), device="cuda") for _ in range(3)
+        ]
         r["split-KV merge alone (torch)"] = timed(lambda: combine_splits(*parts, plan.splits, None), args.calls, sync)
     r.update(_staged_run(attn, q, k, v, args.calls))
     planner = turbine_fmha.PagedAttention(session)
     kw = dict(num_pages=pages, page_block_size=page, nhead_q=hq, nhead_k=hk, hdim=d, dtype="f16", kv_rows_finite=True)
     r.update(_staged_run(planner, q, k, v, args.calls, replan=lambda: planner.plan(bt, sl, **kw)))
     r["one-shot fmha_fwd_paged, kv_rows_finite=True"] = timed(
-        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sl, session=session, device="cuda", kv_rows_finite=True), args.calls, sync)
+        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sl, session=session, device="cuda", kv_rows_finite=True),
+        args.calls,
+        sync,
+    )
     r["one-shot fmha_fwd_paged (stale-row check)"] = timed(
-        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sl, session=session, device="cuda"), args.calls, sync)
+        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sl, session=session, device="cuda"), args.calls, sync
+    )
     r["plan() alone (host)"] = timed(lambda: planner.plan(bt, sl, **kw), args.calls)
-    r["plan() + first run() (tables uploaded)"] = timed(lambda: planner.plan(bt, sl, **kw).run(q, k, v), args.calls, sync)
+    r["plan() + first run() (tables uploaded)"] = timed(
+        lambda: planner.plan(bt, sl, **kw).run(q, k, v), args.calls, sync
+    )
     bt_t, sl_t = torch.from_numpy(bt).cuda(), torch.from_numpy(sl).cuda()
     r["one-shot, tables as CUDA tensors, kv_rows_finite=True"] = timed(
-        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt_t, sl_t, session=session, device="cuda", kv_rows_finite=True), args.calls, sync)
+        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt_t, sl_t, session=session, device="cuda", kv_rows_finite=True),
+        args.calls,
+        sync,
+    )
     tabs = [a._torch_keepalive for a in steps[0].args]
     host = [t.cpu().numpy() for t in tabs]
     res_ = _Results(session, q)
     r["kernel, tables re-imported from the same memory"] = timed(
-        lambda: loaded.invoke(fargs[:3] + [session.import_torch(t) for t in tabs], 2), args.calls)
+        lambda: loaded.invoke(fargs[:3] + [session.import_torch(t) for t in tabs], 2), args.calls
+    )
     r["kernel, tables uploaded anew (one packed copy)"] = timed(
-        lambda: loaded.invoke(fargs[:3] + res_.upload(host), 2), args.calls)
+        lambda: loaded.invoke(fargs[:3] + res_.upload(host), 2), args.calls
+    )
     r["upload alone"] = timed(lambda: res_.upload(host), args.calls)
     r["kernel alone #3"] = timed(lambda: loaded.invoke(fargs, 2), args.calls)
     w = max(len(x) for x in r)
@@ -150,8 +163,11 @@ def _staged_run(attn, q, k, v, calls, replan=None):
         t = lap("variant", t)
         st = plan._device_steps(variant, results)[0]
         t = lap("steps (tables uploaded)", t)
-        args = [st.q(plan._batch_q(like.detach(), results)), *(session.kernel_cache(c, False) for c in (kc, vc)),
-                *st.args]
+        args = [
+            st.q(plan._batch_q(like.detach(), results)),
+            *(session.kernel_cache(c, False) for c in (kc, vc)),
+            *st.args,
+        ]
         args = [a if not hasattr(a, "data_ptr") else session.import_torch(a) for a in args]
         t = lap("import q", t)
         torch.cuda.synchronize()

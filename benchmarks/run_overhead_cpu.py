@@ -20,7 +20,6 @@ keeps them (read in place), tables planned once:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import turbine_fmha  # noqa: E402
-from turbine_fmha.runtime import invoke  # noqa: E402
-from turbine_fmha.core.arrays import aligned_empty  # noqa: E402
+import turbine_fmha
+from turbine_fmha.core.arrays import aligned_empty
+from turbine_fmha.runtime import invoke
 
 _marks: list[float] = []
 
@@ -61,7 +60,8 @@ def measure(session, rng, batch, keys, calls, evict=None) -> dict:
     v[...] = rng.standard_normal(v.shape)
     q = rng.standard_normal((batch, 1, hq, d)).astype(dtype)
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, sl, num_pages=pages, page_block_size=page, nhead_q=hq, nhead_k=hk, hdim=d, dtype=dtype, kv_rows_finite=True)
+        bt, sl, num_pages=pages, page_block_size=page, nhead_q=hq, nhead_k=hk, hdim=d, dtype=dtype, kv_rows_finite=True
+    )
     total, kernel = [], []
     for i in range(calls + 5):
         if evict is not None:
@@ -74,7 +74,7 @@ def measure(session, rng, batch, keys, calls, evict=None) -> dict:
             total.append(t1 - t0)
             kernel.append(_marks[-1] - _marks[0])
     host = [a - b for a, b in zip(total, kernel)]
-    ms = lambda xs, p=50: float(np.percentile(xs, p)) * 1e3  # noqa: E731
+    ms = lambda xs, p=50: float(np.percentile(xs, p)) * 1e3
     return dict(run=ms(total), kernel=ms(kernel), host=ms(host), host_p10=ms(host, 10), host_p90=ms(host, 90))
 
 
@@ -87,14 +87,18 @@ def main() -> int:
     session = turbine_fmha.Session("cpu", artifact_dir=args.artifacts, compile_missing=True)
     rng = np.random.default_rng(0)
     big = np.ones(1 << 27, np.uint8)
-    cases = [("decode b1 x 64, back to back", 1, 64, args.calls, None),
-             ("decode b1 x 64, 128 MiB copied before each call", 1, 64, args.calls // 3, (big, np.zeros_like(big))),
-             ("decode b8 x 2048, back to back", 8, 2048, 30, None)]
+    cases = [
+        ("decode b1 x 64, back to back", 1, 64, args.calls, None),
+        ("decode b1 x 64, 128 MiB copied before each call", 1, 64, args.calls // 3, (big, np.zeros_like(big))),
+        ("decode b8 x 2048, back to back", 8, 2048, 30, None),
+    ]
     print("| case | run() ms | kernel (enqueue to wait) ms | host work ms, median (p10-p90) |")
     print("|---|---|---|---|")
     for name, b, keys, calls, evict in cases:
         r = measure(session, rng, b, keys, calls, evict)
-        print(f"| {name} | {r['run']:.3f} | {r['kernel']:.3f} | {r['host']:.3f} ({r['host_p10']:.3f}-{r['host_p90']:.3f}) |")
+        print(
+            f"| {name} | {r['run']:.3f} | {r['kernel']:.3f} | {r['host']:.3f} ({r['host_p10']:.3f}-{r['host_p90']:.3f}) |"
+        )
     return 0
 
 

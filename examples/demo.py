@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import turbine_fmha  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 # Relative max error bound vs the float64 reference (see tests/test_numerics.py
 # for why): fp16/bf16 inputs round P and the output to 11/8 mantissa bits.
@@ -30,8 +30,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", default=str(Path(__file__).resolve().parent.parent / "artifacts"))
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--compile-missing", action="store_true",
-                    help="compile the variants it needs into the cache instead of requiring built artifacts")
+    ap.add_argument(
+        "--compile-missing",
+        action="store_true",
+        help="compile the variants it needs into the cache instead of requiring built artifacts",
+    )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     session = turbine_fmha.Session("cpu", artifact_dir=args.artifacts, compile_missing=args.compile_missing)
@@ -60,7 +63,9 @@ def main(argv=None) -> int:
         ("alibi", 2, 32, [150, 40], "bottom_right", dict(alibi_slopes=2.0 ** (-8.0 * np.arange(1, 33) / 32))),
         ("attn sinks", 3, 1, [300, 7, 64], "bottom_right", dict(sinks=rng.uniform(-1, 1, 32).astype(np.float32))),
     ]
-    print(f"{'request':<14} {'batch':>5} {'sq':>4} {'max sk':>6} {'mask':<13} {'variant':<62} {'ms':>8} {'rel err':>9}  ok")
+    print(
+        f"{'request':<14} {'batch':>5} {'sq':>4} {'max sk':>6} {'mask':<13} {'variant':<62} {'ms':>8} {'rel err':>9}  ok"
+    )
     failures = 0
     for name, b, sq, sks, mask, extra in requests:
         width = max(-(-s // page) for s in sks) + 2
@@ -79,7 +84,9 @@ def main(argv=None) -> int:
         lse_ok = np.allclose(lse, ref_lse, atol=1e-2, rtol=0)
         ok = err <= TOL[dtype] and lse_ok
         failures += not ok
-        print(f"{name:<14} {b:>5} {sq:>4} {max(sks):>6} {mask:<13} {variant.name:<62} {ms:>8.1f} {err:>9.2e}  {'yes' if ok else 'NO'}")
+        print(
+            f"{name:<14} {b:>5} {sq:>4} {max(sks):>6} {mask:<13} {variant.name:<62} {ms:>8.1f} {err:>9.2e}  {'yes' if ok else 'NO'}"
+        )
         for row in bt:  # return the pages to the pool
             free_pages.extend(int(p) for p in row if p >= 0)
     print("all requests verified against the float64 reference" if not failures else f"{failures} request(s) FAILED")

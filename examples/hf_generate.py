@@ -46,9 +46,20 @@ def small_llama(dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
     # initializer_range 0.2, not 0.02: with the default a random model
     # repeats one token, and two token streams agreeing would say little.
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=1024,
-                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.set_attn_implementation("eager")
     return model
@@ -78,10 +89,12 @@ def teacher_forced(model, seq, prompt_len: int, mask, cache=None):
         return None if full is None else full[:, :i]
 
     if cache is None:
-        return model(seq, attention_mask=full).logits[:, prompt_len - 1:-1].double()
+        return model(seq, attention_mask=full).logits[:, prompt_len - 1 : -1].double()
     steps = [model(seq[:, :prompt_len], attention_mask=upto(prompt_len), past_key_values=cache).logits[:, -1:]]
-    steps += [model(seq[:, i:i + 1], attention_mask=upto(i + 1), past_key_values=cache).logits
-              for i in range(prompt_len, seq.shape[1] - 1)]
+    steps += [
+        model(seq[:, i : i + 1], attention_mask=upto(i + 1), past_key_values=cache).logits
+        for i in range(prompt_len, seq.shape[1] - 1)
+    ]
     return torch.cat(steps, 1).double()
 
 
@@ -121,41 +134,58 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--padded", action="store_true", help="prompts of different lengths, left-padded")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where the model, the session and the cache's pools are")
-    ap.add_argument("--artifacts", help="built artifacts to use when present (default: artifacts, or "
-                    "artifacts-cuda with --device cuda)")
-    ap.add_argument("--cache-dir", default=str(ROOT / "build" / "hf-example-cache"),
-                    help="where missing kernels are compiled")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the model, the session and the cache's pools are",
+    )
+    ap.add_argument(
+        "--artifacts",
+        help="built artifacts to use when present (default: artifacts, or artifacts-cuda with --device cuda)",
+    )
+    ap.add_argument(
+        "--cache-dir", default=str(ROOT / "build" / "hf-example-cache"), help="where missing kernels are compiled"
+    )
     args = ap.parse_args()
     artifacts = args.artifacts or str(ROOT / ("artifacts" if args.device == "cpu" else "artifacts-cuda"))
-    session = turbine_fmha.Session(args.device, artifact_dir=artifacts, compile_missing=True,
-                                   cache_dir=args.cache_dir)
+    session = turbine_fmha.Session(args.device, artifact_dir=artifacts, compile_missing=True, cache_dir=args.cache_dir)
     model = small_llama(getattr(torch, args.dtype), args.seed).to(args.device)
     n = args.prompt_len
     prompts, mask = prompts_for(args, model.config.vocab_size, args.device)
-    kw = dict(max_new_tokens=args.new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-              attention_mask=mask)
+    kw = dict(
+        max_new_tokens=args.new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        attention_mask=mask,
+    )
     with torch.no_grad():
         hf = model.generate(prompts, **kw)
         ours = fmha_hf.generate(model, prompts, session=session, **kw)
-    print(f"{args.device}: pools {'on the device' if args.device != 'cpu' else 'in host memory'}; prompt "
-          f"lengths {[n] * args.batch if mask is None else mask.sum(1).tolist()}")
+    print(
+        f"{args.device}: pools {'on the device' if args.device != 'cpu' else 'in host memory'}; prompt "
+        f"lengths {[n] * args.batch if mask is None else mask.sum(1).tolist()}"
+    )
     for b in range(args.batch):
         print(f"sequence {b}, HF eager:     {hf.sequences[b, n:].tolist()}")
         print(f"sequence {b}, turbine_fmha: {ours.sequences[b, n:].tolist()}")
     same = torch.equal(hf.sequences, ours.sequences)
     diff, steps = logit_difference(hf, ours, n)
     scale = max(a.float().abs().max().item() for a in hf.logits)
-    print(f"{args.dtype}: tokens {'identical' if same else 'differ'}; largest logit difference {diff:.3g} "
-          f"(logits up to {scale:.3g}) over the {steps} (sequence, step) pairs where both saw the same tokens")
+    print(
+        f"{args.dtype}: tokens {'identical' if same else 'differ'}; largest logit difference {diff:.3g} "
+        f"(logits up to {scale:.3g}) over the {steps} (sequence, step) pairs where both saw the same tokens"
+    )
     if args.dtype != "float32":
         with torch.no_grad():
             f32 = small_llama(torch.float32, args.seed).to(args.device)
             seq = f32.generate(prompts, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False)
             err_eager, err_ours = low_precision_errors(f32, seq, n, mask, session, getattr(torch, args.dtype))
-        print(f"{args.dtype} against the float32 model along its tokens: largest logit error "
-              f"{err_eager:.3g} with HF eager, {err_ours:.3g} with turbine_fmha")
+        print(
+            f"{args.dtype} against the float32 model along its tokens: largest logit error "
+            f"{err_eager:.3g} with HF eager, {err_ours:.3g} with turbine_fmha"
+        )
     return 0 if same or args.dtype != "float32" else 1
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import turbine_fmha  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 TOL = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}  # as in tests/conftest.py
 
@@ -45,15 +45,31 @@ class Request:
     fork: bool
 
 
-def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k: int, hdim: int, page: int,
-                num_pages: int, prompt_range=(16, 256), generate_range=(8, 64), verify_every: int = 10,
-                seed: int | None = None, log=print, torch_q: bool = False) -> dict:
+def run_service(
+    session,
+    *,
+    requests: int,
+    max_batch: int,
+    nhead_q: int,
+    nhead_k: int,
+    hdim: int,
+    page: int,
+    num_pages: int,
+    prompt_range=(16, 256),
+    generate_range=(8, 64),
+    verify_every: int = 10,
+    seed: int | None = None,
+    log=print,
+    torch_q: bool = False,
+) -> dict:
     rng = np.random.default_rng(seed)
     dt = np.float16
     # The pool lives on the session's device; appends write only new rows.
     cache = turbine_fmha.PagedKVCache(num_pages, page, nhead_k, hdim, "f16", session=session)
-    queue = [Request(int(rng.integers(*prompt_range)), int(rng.integers(*generate_range)), bool(rng.random() < 0.25))
-             for _ in range(requests)]
+    queue = [
+        Request(int(rng.integers(*prompt_range)), int(rng.integers(*generate_range)), bool(rng.random() < 0.25))
+        for _ in range(requests)
+    ]
     running: dict[int, int] = {}  # sequence -> tokens left to generate
     latencies, tokens, steps, verified = [], 0, 0, 0
     t_start = time.perf_counter()
@@ -70,8 +86,9 @@ def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k
         decoding = [s for s, _ in rows]
         # Admit while there is room in the batch and pages for the prompt
         # (plus slack for the running sequences' next tokens).
-        while (queue and len(running) < max_batch
-               and (cache.num_free_pages - len(running)) * page > queue[0].prompt + page):
+        while (
+            queue and len(running) < max_batch and (cache.num_free_pages - len(running)) * page > queue[0].prompt + page
+        ):
             req = queue.pop(0)
             seq = cache.allocate()
             cache.append(seq, *kv(req.prompt))
@@ -109,8 +126,10 @@ def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k
             if not err <= TOL["f16"]:
                 raise AssertionError(f"step {steps}: rel err {err:.3e} > {TOL['f16']}")
             verified += 1
-            log(f"step {steps}: {len(seqs)} sequences, {seqstart[-1]} query rows, "
-                f"{cache.num_free_pages} free pages, verified (rel err {err:.1e})")
+            log(
+                f"step {steps}: {len(seqs)} sequences, {seqstart[-1]} query rows, "
+                f"{cache.num_free_pages} free pages, verified (rel err {err:.1e})"
+            )
         for seq in decoding:
             running[seq] -= 1
             if running[seq] <= 0:
@@ -120,10 +139,17 @@ def run_service(session, *, requests: int, max_batch: int, nhead_q: int, nhead_k
     lat = np.array(latencies)
     # Throughput over the steps themselves (the float64 checks are not
     # service work).
-    stats = dict(steps=steps, tokens=tokens, verified_steps=verified, seconds=round(wall, 3),
-                 tokens_per_s=round(tokens / (lat.sum() / 1e3), 1), p50_ms=round(float(np.percentile(lat, 50)), 2),
-                 p99_ms=round(float(np.percentile(lat, 99)), 2), free_pages_after=cache.num_free_pages,
-                 num_pages=num_pages)
+    stats = dict(
+        steps=steps,
+        tokens=tokens,
+        verified_steps=verified,
+        seconds=round(wall, 3),
+        tokens_per_s=round(tokens / (lat.sum() / 1e3), 1),
+        p50_ms=round(float(np.percentile(lat, 50)), 2),
+        p99_ms=round(float(np.percentile(lat, 99)), 2),
+        free_pages_after=cache.num_free_pages,
+        num_pages=num_pages,
+    )
     return stats
 
 
@@ -136,17 +162,32 @@ def main() -> int:
     ap.add_argument("--num-pages", type=int, default=1024)
     ap.add_argument("--verify-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--torch-q", action="store_true",
-                    help="pass q as a torch tensor on the session's device (output comes back there)")
+    ap.add_argument(
+        "--torch-q",
+        action="store_true",
+        help="pass q as a torch tensor on the session's device (output comes back there)",
+    )
     args = ap.parse_args()
     session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts)
-    stats = run_service(session, requests=args.requests, max_batch=args.max_batch, nhead_q=32, nhead_k=8, hdim=128,
-                        page=16, num_pages=args.num_pages, verify_every=args.verify_every, seed=args.seed,
-                        torch_q=args.torch_q)
-    print(f"{stats['steps']} steps, {stats['tokens']} tokens ({stats['seconds']} s with the checks): "
-          f"{stats['tokens_per_s']} tokens/s over the steps; "
-          f"step latency p50 {stats['p50_ms']} ms, p99 {stats['p99_ms']} ms; "
-          f"{stats['verified_steps']} steps verified; {stats['free_pages_after']}/{stats['num_pages']} pages free at the end")
+    stats = run_service(
+        session,
+        requests=args.requests,
+        max_batch=args.max_batch,
+        nhead_q=32,
+        nhead_k=8,
+        hdim=128,
+        page=16,
+        num_pages=args.num_pages,
+        verify_every=args.verify_every,
+        seed=args.seed,
+        torch_q=args.torch_q,
+    )
+    print(
+        f"{stats['steps']} steps, {stats['tokens']} tokens ({stats['seconds']} s with the checks): "
+        f"{stats['tokens_per_s']} tokens/s over the steps; "
+        f"step latency p50 {stats['p50_ms']} ms, p99 {stats['p99_ms']} ms; "
+        f"{stats['verified_steps']} steps verified; {stats['free_pages_after']}/{stats['num_pages']} pages free at the end"
+    )
     return 0 if stats["free_pages_after"] == stats["num_pages"] else 1
 
 

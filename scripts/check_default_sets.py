@@ -27,8 +27,9 @@ from turbine_fmha.build.targets import TARGETS
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="gfx942,gfx90a,gfx950,cuda", help=f"comma list of: {', '.join(TARGETS)}")
-    p.add_argument("--artifacts", default="build/default-sets", help="where to build (kept: unchanged kernels "
-                   "are not rebuilt)")
+    p.add_argument(
+        "--artifacts", default="build/default-sets", help="where to build (kept: unchanged kernels are not rebuilt)"
+    )
     p.add_argument("--jobs", type=int, default=None)
     args = p.parse_args()
     out, failed = Path(args.artifacts), 0
@@ -38,13 +39,17 @@ def main() -> int:
         t0 = time.perf_counter()
         results = aot.build(out, [target], variants + default_append_kernels(gpu), jobs=args.jobs)
         seconds = time.perf_counter() - t0
-        entries = {a["variant"]: a for a in json.loads((out / "manifest.json").read_text())["artifacts"]
-                   if a["target"] == target}
+        entries = {
+            a["variant"]: a
+            for a in json.loads((out / "manifest.json").read_text())["artifacts"]
+            if a["target"] == target
+        }
         bad = {v.name: isa_problems(v, entries[v.name]["isa"], target) for v in variants} if gpu else {}
         bad = {n: ps for n, ps in bad.items() if ps}
         compiled = sum(r.rebuilt for r in results)
-        print(f"{target}: {len(results)} kernels ({compiled} compiled) in {seconds:.0f} s; "
-              f"{len(bad)} with ISA problems")
+        print(
+            f"{target}: {len(results)} kernels ({compiled} compiled) in {seconds:.0f} s; {len(bad)} with ISA problems"
+        )
         for name, ps in sorted(bad.items()):
             print(f"  {name}: {'; '.join(ps)}")
         failed += len(bad)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import turbine_fmha
-from turbine_fmha.core.arrays import np_dtype  # noqa: F401 (tests import it from here)
+from turbine_fmha.core.arrays import np_dtype
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 CACHE = Path(os.environ.get("TURBINE_FMHA_TEST_CACHE", Path(__file__).resolve().parent.parent / "build" / "test-cache"))
@@ -40,8 +40,10 @@ def pytest_sessionstart(session):
     results = aot.build(CACHE, ["host"], kernels, jobs=os.cpu_count())
     compiled = sum(r.rebuilt for r in results)
     if compiled:
-        print(f"\nprebuilt {len(results)} host kernels into {CACHE} ({compiled} compiled) in "
-              f"{time.perf_counter() - t0:.0f} s")
+        print(
+            f"\nprebuilt {len(results)} host kernels into {CACHE} ({compiled} compiled) in "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
 
 
 def pytest_sessionfinish(session):
@@ -51,6 +53,25 @@ def pytest_sessionfinish(session):
         m = json.loads((CACHE / "manifest.json").read_text())
         names = sorted({a["variant"] for a in m["artifacts"] if a["target"] == "host"})
         KERNELS.write_text("\n".join(names) + "\n")
+
+
+class _TrapSession(turbine_fmha.Session):
+    """A session whose kernels must never be reached: validation tests
+    pass it to show that a bad call is refused before any kernel is chosen
+    or run."""
+
+    def run_variants(self, *a, **k):  # pragma: no cover - reaching it fails the test
+        raise AssertionError("kernel ran on invalid input")
+
+    run_variant = run_variants
+
+    def select(self, *a, **k):
+        raise AssertionError("variant selected for invalid input")
+
+
+@pytest.fixture(scope="module")
+def trap(tmp_path_factory):
+    return _TrapSession("cpu", artifact_dir=tmp_path_factory.mktemp("empty"))
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +94,9 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-def make_problem(rng, *, dtype, batch, seqlen_q, seqlens_k, nhead_q, nhead_k, hdim, page, hdim_v=None, spare_pages=3, extra_slots=2):
+def make_problem(
+    rng, *, dtype, batch, seqlen_q, seqlens_k, nhead_q, nhead_k, hdim, page, hdim_v=None, spare_pages=3, extra_slots=2
+):
     """Random paged problem: pages shuffled across sequences, unused table
     slots full of garbage (negative and out-of-range ids), spare pages in the
     pool full of NaN so that any read of them would show."""
@@ -113,7 +136,9 @@ LSE_TOL = {"f16": 5e-3, "bf16": 3e-2, "f32": 1e-4}
 
 def run_and_check(session, problem, *, dtype, **kw):
     q, k_cache, v_cache, block_table, seqlen_k = problem
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k_cache, v_cache, block_table, seqlen_k, return_lse=True, session=session, **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k_cache, v_cache, block_table, seqlen_k, return_lse=True, session=session, **kw
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k_cache, v_cache, block_table, seqlen_k, **kw)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == np.float32

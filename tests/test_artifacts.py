@@ -21,10 +21,10 @@ import pytest
 
 import turbine_fmha
 from turbine_fmha.build import aot as tfb
-from turbine_fmha.runtime.session import runtime_version
-from turbine_fmha.kernels.signature import KERNEL_ABI
 from turbine_fmha.kernels.append_kernel import AppendKernel
+from turbine_fmha.kernels.signature import KERNEL_ABI
 from turbine_fmha.kernels.variants import Variant
+from turbine_fmha.runtime.session import runtime_version
 
 A1 = AppendKernel("f32", 1, 8, 8, 16)
 A2 = AppendKernel("f16", 1, 16, 16, 16)
@@ -59,7 +59,10 @@ def _builder(out: Path, kernels, cpu="host", go="-") -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(Path(turbine_fmha.__file__).resolve().parent.parent))
     return subprocess.Popen(
         [sys.executable, "-c", BUILDER, str(out), ",".join(k.name for k in kernels), cpu, go],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -206,7 +209,7 @@ def test_ctrl_c_stops_promptly_and_keeps_what_finished(tmp_path):
         proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("build still running 10 s after SIGINT")
+        raise AssertionError("build still running 10 s after SIGINT") from None
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
     # Well under the ~3 s left of SLOW's compile: stopping it and exiting
@@ -255,8 +258,14 @@ def test_sigkill_during_a_rebuild_leaves_a_loadable_directory(umask_builds, tmp_
 
 
 def _entry(**kw) -> dict:
-    e = {"variant": A1.name, "target": "host", "path": "host/x.vmfb", "sha256": "0" * 64,
-         "compiler_version": runtime_version(), "kernel_abi": KERNEL_ABI}
+    e = {
+        "variant": A1.name,
+        "target": "host",
+        "path": "host/x.vmfb",
+        "sha256": "0" * 64,
+        "compiler_version": runtime_version(),
+        "kernel_abi": KERNEL_ABI,
+    }
     e.update(kw)
     return e
 
@@ -278,6 +287,7 @@ def _set(**kw):
 def _entry0(fn):
     def edit(m):
         m["artifacts"][0] = fn(m["artifacts"][0])
+
     return edit
 
 
@@ -329,8 +339,12 @@ def test_valid_manifest_and_leftovers_are_accepted(tmp_path):
     """The baseline of the table loads, and entries of other targets, other
     kernel ABIs, unknown variant names or without a kernel_abi are skipped."""
     m = _valid()
-    m["artifacts"] += [_entry(target="cuda"), _entry(variant="pagedkv_fwd_f16_bogus", path="host/y.vmfb"),
-                       _entry(variant=A3.name, kernel_abi=-1), _without("kernel_abi") | {"variant": A4.name}]
+    m["artifacts"] += [
+        _entry(target="cuda"),
+        _entry(variant="pagedkv_fwd_f16_bogus", path="host/y.vmfb"),
+        _entry(variant=A3.name, kernel_abi=-1),
+        _without("kernel_abi") | {"variant": A4.name},
+    ]
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
     assert set(s._index) == {A1.name, A2.name}
@@ -356,8 +370,9 @@ def _bad_file(kind: str, d: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("kind", ["directory", "dangling symlink", "not utf-8", "not json", "unreadable",
-                                  "artifact dir is a file"])
+@pytest.mark.parametrize(
+    "kind", ["directory", "dangling symlink", "not utf-8", "not json", "unreadable", "artifact dir is a file"]
+)
 def test_unreadable_manifest_file_is_an_artifact_error(tmp_path, kind):
     if kind == "unreadable" and os.geteuid() == 0:
         pytest.skip("root reads any file")

@@ -11,10 +11,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import LSE_TOL, OUT_TOL, _TrapSession, make_problem
 
 import turbine_fmha
-from conftest import LSE_TOL, OUT_TOL, make_problem
-from test_validation import _TrapSession
 from turbine_fmha.api.cache import aligned_zeros
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -43,9 +42,19 @@ def _layers(rng, n, k, v):
 CASES = {
     "decode": dict(seqlen_q=1, kw=dict(mask_type="bottom_right", window_size_right=0)),
     "prefill_causal": dict(seqlen_q=37, kw=dict(mask_type="bottom_right", window_size_right=0)),
-    "decode_split_alibi": dict(seqlen_q=1, kw=dict(num_splits=2, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32))),
-    "window_sinks": dict(seqlen_q=5, kw=dict(mask_type="top_left", window_size_left=3, window_size_right=0, sink_size=2,
-                                             sinks=np.array([0.5, -1.0, 0.0, 2.0], np.float32))),
+    "decode_split_alibi": dict(
+        seqlen_q=1, kw=dict(num_splits=2, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32))
+    ),
+    "window_sinks": dict(
+        seqlen_q=5,
+        kw=dict(
+            mask_type="top_left",
+            window_size_left=3,
+            window_size_right=0,
+            sink_size=2,
+            sinks=np.array([0.5, -1.0, 0.0, 2.0], np.float32),
+        ),
+    ),
 }
 
 
@@ -54,11 +63,29 @@ CASES = {
 def test_plan_once_run_many_layers(explicit_session, online_session, rng, formulation, case):
     session = explicit_session if formulation == "explicit" else online_session
     c = CASES[case]
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=c["seqlen_q"], seqlens_k=[40, 17, 70],
-                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=3,
+        seqlen_q=c["seqlen_q"],
+        seqlens_k=[40, 17, 70],
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16",
-        seqlen_q=c["seqlen_q"], **c["kw"])
+        bt,
+        sk,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        seqlen_q=c["seqlen_q"],
+        **c["kw"],
+    )
     for kl, vl in [(k, v)] + _layers(rng, 2, k, v):
         ql = rng.standard_normal(q.shape).astype(np.float16)
         out, lse = attn.run(ql, kl, vl, return_lse=True)
@@ -73,26 +100,40 @@ def test_plan_once_run_many_layers(explicit_session, online_session, rng, formul
 def test_group_mode_plan(explicit_session, rng):
     lens_q = [3, 1, 0, 6]
     seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    _, k, v, bt, sk = make_problem(rng, dtype="bf16", batch=4, seqlen_q=1, seqlens_k=[20, 33, 5, 16],
-                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    _, k, v, bt, sk = make_problem(
+        rng, dtype="bf16", batch=4, seqlen_q=1, seqlens_k=[20, 33, 5, 16], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     attn = turbine_fmha.PagedAttention(explicit_session).plan(
-        bt, sk, seqstart_q=seqstart, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64,
-        dtype=k.dtype, mask_type="bottom_right", window_size_right=0)
+        bt,
+        sk,
+        seqstart_q=seqstart,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        dtype=k.dtype,
+        mask_type="bottom_right",
+        window_size_right=0,
+    )
     for kl, vl in [(k, v)] + _layers(rng, 1, k, v):
         q = rng.standard_normal((int(seqstart[-1]), 4, 64)).astype(k.dtype)
         out, lse = attn.run(q, kl, vl, return_lse=True)
-        ref, ref_lse = fmha_fwd_paged_ref(q, kl, vl, bt, sk, seqstart_q=seqstart, mask_type="bottom_right",
-                                          window_size_right=0)
+        ref, ref_lse = fmha_fwd_paged_ref(
+            q, kl, vl, bt, sk, seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0
+        )
         _check(out, lse, ref, ref_lse, "bf16")
 
 
 @pytest.fixture
 def planned(rng, tmp_path):
     trap = _TrapSession("cpu", artifact_dir=tmp_path)
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5],
-                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
-    attn = turbine_fmha.PagedAttention(trap).plan(bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4,
-                                                  nhead_k=2, hdim=64, dtype="f16", seqlen_q=3)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    attn = turbine_fmha.PagedAttention(trap).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16", seqlen_q=3
+    )
     return attn, (q, k, v)
 
 
@@ -130,18 +171,23 @@ PLAN_BAD = {
 @pytest.mark.parametrize("case", sorted(PLAN_BAD))
 def test_plan_refuses_bad_tables_before_anything_runs(rng, tmp_path, case):
     trap = _TrapSession("cpu", artifact_dir=tmp_path)
-    _, k, _, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[20, 5],
-                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    _, k, _, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     mutate, words = PLAN_BAD[case]
     with pytest.raises((ValueError, TypeError), match=words.replace("[", r"\[")):
-        turbine_fmha.PagedAttention(trap).plan(*mutate(bt, sk), num_pages=k.shape[0], page_block_size=16,
-                                               nhead_q=4, nhead_k=2, hdim=64, dtype="f16")
+        turbine_fmha.PagedAttention(trap).plan(
+            *mutate(bt, sk), num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16"
+        )
 
 
 def test_run_before_plan(explicit_session, rng):
     with pytest.raises(RuntimeError, match="before plan"):
-        turbine_fmha.PagedAttention(explicit_session).run(*make_problem(
-            rng, dtype="f16", batch=1, seqlen_q=1, seqlens_k=[3], nhead_q=4, nhead_k=2, hdim=64, page=16)[:3])
+        turbine_fmha.PagedAttention(explicit_session).run(
+            *make_problem(rng, dtype="f16", batch=1, seqlen_q=1, seqlens_k=[3], nhead_q=4, nhead_k=2, hdim=64, page=16)[
+                :3
+            ]
+        )
 
 
 def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
@@ -157,8 +203,9 @@ def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
         k[p] = rng.standard_normal((page, hk, d)).astype(np.float16)
         v[p] = rng.standard_normal((page, hk, d)).astype(np.float16)
     q = rng.standard_normal((1, 1, 4, d)).astype(np.float16)
-    attn = turbine_fmha.PagedAttention(explicit_session).plan(bt, sk, num_pages=pages, page_block_size=page,
-                                                              nhead_q=4, nhead_k=hk, hdim=d, dtype="f16")
+    attn = turbine_fmha.PagedAttention(explicit_session).plan(
+        bt, sk, num_pages=pages, page_block_size=page, nhead_q=4, nhead_k=hk, hdim=d, dtype="f16"
+    )
     imported = []
     real = explicit_session.import_host
 
@@ -194,7 +241,8 @@ def test_run_reads_each_layers_cache_as_it_is_now(explicit_session, rng):
     layers.append((q, _aligned_copy(k * 2), _aligned_copy(v * 3)))
     layers.append((q, k + 1, v))  # unaligned: copied per call
     attn = turbine_fmha.PagedAttention(explicit_session).plan(
-        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16")
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16"
+    )
     used = np.concatenate([bt[b, : -(-n // 16)] for b, n in enumerate(sk)])
     for _ in range(2):
         for q, k, v in layers:

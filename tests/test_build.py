@@ -9,14 +9,14 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import CACHE, make_problem, run_and_check
 
 import turbine_fmha
-from conftest import CACHE, make_problem, run_and_check
 from turbine_fmha.build import aot as tfb
-from turbine_fmha.kernels.append_kernel import AppendKernel
-from turbine_fmha.kernels.variants import Variant
 from turbine_fmha.build.default_sets import check_set, default_append_kernels, gpu_default_set, host_default_set
 from turbine_fmha.build.isa import isa_problems
+from turbine_fmha.kernels.append_kernel import AppendKernel
+from turbine_fmha.kernels.variants import Variant
 
 SMALL = [
     Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
@@ -96,7 +96,9 @@ def test_unchanged_variants_not_rebuilt(built):
 def test_built_artifacts_run(built, rng):
     s = turbine_fmha.Session("cpu", artifact_dir=built)
     assert set(s.available_variants()) == set(SMALL)
-    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=9, seqlens_k=[50, 3], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    prob = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=9, seqlens_k=[50, 3], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     run_and_check(s, prob, dtype="f16", mask_type="bottom_right", window_size_right=0)
 
 
@@ -189,22 +191,41 @@ def test_check_set_covers_every_field_of_the_default_sets():
     for the GPU and the host sets."""
     for variants in (gpu_default_set(), host_default_set()):
         kernels = check_set(variants)
-        for field in ("formulation", "dtype", "kv_dtype", "page_block_size", "mask", "bias", "bias_shape",
-                      "softcap", "sinks", "kv_layout", "v_layout", "v_guard", "batch_tile", "seqlen_q_tile",
-                      "merge_splits", "group_rows", "runtime_heads"):
+        for field in (
+            "formulation",
+            "dtype",
+            "kv_dtype",
+            "page_block_size",
+            "mask",
+            "bias",
+            "bias_shape",
+            "softcap",
+            "sinks",
+            "kv_layout",
+            "v_layout",
+            "v_guard",
+            "batch_tile",
+            "seqlen_q_tile",
+            "merge_splits",
+            "group_rows",
+            "runtime_heads",
+        ):
             assert {getattr(v, field) for v in kernels} == {getattr(v, field) for v in variants}, field
         assert len(kernels) < len(variants) / 4
 
 
 def test_isa_problems_names_what_is_wrong():
-    prefill = Variant("f16", 128, 128, 32, 8, 16, "bottom_right", formulation="online", batch_tile=1,
-                      seqlen_q_tile=128)
+    prefill = Variant("f16", 128, 128, 32, 8, 16, "bottom_right", formulation="online", batch_tile=1, seqlen_q_tile=128)
     good = {"scratch_bytes": 0, "spills": 0, "mfma_count": 12, "kernels": [{"vgpr_spill_count": 0}]}
     assert isa_problems(prefill, good, "gfx942") == []
-    assert isa_problems(prefill, dict(good, mfma_count=0, spills=3), "gfx942") == ["3 spills",
-                                                                                   "a prefill tile without MFMA"]
+    assert isa_problems(prefill, dict(good, mfma_count=0, spills=3), "gfx942") == [
+        "3 spills",
+        "a prefill tile without MFMA",
+    ]
     assert isa_problems(prefill, {"attention_config": "default", "mma_count": 0}, "cuda") == [
-        "attention configuration 'default', not turbine_fmha's", "a prefill tile without mma.sync"]
+        "attention configuration 'default', not turbine_fmha's",
+        "a prefill tile without mma.sync",
+    ]
 
 
 GPU_FALLBACK = [
@@ -282,7 +303,15 @@ def test_decode_keeps_its_mask_when_only_that_variant_is_built(tmp_path, rng):
     v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right", sinks=True)
     tfb.build(tmp_path, ["host"], [v])
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
-    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 7], nhead_q=4, nhead_k=2, hdim=64, page=16)
-    run_and_check(s, prob, dtype="f16", mask_type="bottom_right", window_size_right=0,
-                  sinks=rng.uniform(-1, 1, 4).astype(np.float32))
+    prob = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 7], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    run_and_check(
+        s,
+        prob,
+        dtype="f16",
+        mask_type="bottom_right",
+        window_size_right=0,
+        sinks=rng.uniform(-1, 1, 4).astype(np.float32),
+    )
     assert s.last_variant == v

@@ -10,9 +10,9 @@ import threading
 
 import numpy as np
 import pytest
+from test_modes import _check
 
 import turbine_fmha
-from test_modes import _check
 from turbine_fmha.api.cache import CacheFullError, PagedKVCache
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -20,8 +20,7 @@ HK, D = 2, 16
 
 
 def _tokens(rng, n):
-    return (rng.standard_normal((n, HK, D)).astype(np.float32),
-            rng.standard_normal((n, HK, D)).astype(np.float32))
+    return (rng.standard_normal((n, HK, D)).astype(np.float32), rng.standard_normal((n, HK, D)).astype(np.float32))
 
 
 def _assert_holds(cache, seq, record):
@@ -159,11 +158,12 @@ def test_device_resident_pool(explicit_session, rng, dtype, kv_layout):
     import ml_dtypes
 
     fp8 = dtype.startswith("float8")
-    cache = PagedKVCache(24, 16, 2, 64, getattr(ml_dtypes, dtype) if fp8 else dtype, session=explicit_session,
-                         kv_layout=kv_layout)
+    cache = PagedKVCache(
+        24, 16, 2, 64, getattr(ml_dtypes, dtype) if fp8 else dtype, session=explicit_session, kv_layout=kv_layout
+    )
     raw = (lambda a: a.view(np.int8)) if fp8 else (lambda a: a)
     live = [cache.allocate()]
-    for step in range(25):
+    for _ in range(25):
         op = rng.random()
         if op < 0.15 and len(live) < 6:
             live.append(cache.fork(live[int(rng.integers(len(live)))]))
@@ -173,8 +173,11 @@ def test_device_resident_pool(explicit_session, rng, dtype, kv_layout):
             s = live[int(rng.integers(len(live)))]
             n = int(rng.integers(1, 20))
             try:
-                cache.append(s, rng.standard_normal((n, 2, 64)).astype(cache.dtype),
-                             rng.standard_normal((n, 2, 64)).astype(cache.dtype))
+                cache.append(
+                    s,
+                    rng.standard_normal((n, 2, 64)).astype(cache.dtype),
+                    rng.standard_normal((n, 2, 64)).astype(cache.dtype),
+                )
             except CacheFullError:
                 cache.free(live.pop(0)) if len(live) > 1 else None
         np.testing.assert_array_equal(cache.k_dev.to_host(), raw(cache.k))
@@ -184,19 +187,26 @@ def test_device_resident_pool(explicit_session, rng, dtype, kv_layout):
     scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
     out, lse = cache.attend(q, seqs, mask_type="bottom_right", return_lse=True, **scales)
     bt, sk = cache.batch(seqs)
-    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k, cache.v, bt, sk, mask_type="bottom_right", kv_layout=kv_layout,
-                                      **scales)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q, cache.k, cache.v, bt, sk, mask_type="bottom_right", kv_layout=kv_layout, **scales
+    )
     _check(out, lse, ref, ref_lse, "bf16" if dtype == "bf16" else "f16")
     with pytest.raises(TypeError, match="both"):
         turbine_fmha.fmha_fwd_paged(q, cache.k_dev, cache.v, bt, sk, kv_layout=kv_layout, session=explicit_session)
     with pytest.raises(TypeError, match="kv_rows_finite"):
-        turbine_fmha.fmha_fwd_paged(q, cache.k, cache.v, bt, sk, kv_rows_finite=1, kv_layout=kv_layout,
-                                    session=explicit_session)
+        turbine_fmha.fmha_fwd_paged(
+            q, cache.k, cache.v, bt, sk, kv_rows_finite=1, kv_layout=kv_layout, session=explicit_session
+        )
 
 
 def _state(cache, seqs):
-    return (cache.k.copy(), cache.v.copy(), cache.num_free_pages,
-            {s: (cache.pages(s), cache.seqlen(s)) for s in seqs}, cache.values_finite)
+    return (
+        cache.k.copy(),
+        cache.v.copy(),
+        cache.num_free_pages,
+        {s: (cache.pages(s), cache.seqlen(s)) for s in seqs},
+        cache.values_finite,
+    )
 
 
 def _assert_state(cache, seqs, before):
@@ -281,8 +291,11 @@ def test_append_takes_torch_and_refuses_other_dtypes(explicit_session, rng):
     as_torch = [torch.from_numpy(t.view(np.int16)).view(torch.bfloat16) for t in (k, v)]
     cache.append(a, *as_torch)
     before = _state(cache, [a])
-    for bad_k, bad_v, name in ((k.astype(np.float32), v, "k_new"), (k, as_torch[1].half(), "v_new"),
-                               (as_torch[0].float(), v, "k_new")):
+    for bad_k, bad_v, name in (
+        (k.astype(np.float32), v, "k_new"),
+        (k, as_torch[1].half(), "v_new"),
+        (as_torch[0].float(), v, "k_new"),
+    ):
         with pytest.raises(TypeError, match=f"^{name} has dtype"):
             cache.append(a, bad_k, bad_v)
     _assert_state(cache, [a], before)
@@ -316,8 +329,7 @@ def test_device_pool_without_host_mirror(explicit_session, rng):
     q = rng.standard_normal((1, 2, 4, D)).astype(np.float32)
     out, lse = cache.attend(q, [b], mask_type="bottom_right", return_lse=True)
     bt, sk = cache.batch([b])
-    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k_dev.to_host(), cache.v_dev.to_host(), bt, sk,
-                                      mask_type="bottom_right")
+    ref, ref_lse = fmha_fwd_paged_ref(q, cache.k_dev.to_host(), cache.v_dev.to_host(), bt, sk, mask_type="bottom_right")
     _check(out, lse, ref, ref_lse, "f32")
     nan_page = cache.pages(a)[2]
     cache.free(a)

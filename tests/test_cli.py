@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import CACHE
+
 from turbine_fmha.cli.main import main
 from turbine_fmha.kernels.signature import KERNEL_ABI
 
@@ -36,8 +36,9 @@ def cli(argv) -> int:
 
 
 def test_run_verifies(small, capsys):
-    assert main(["run", *small, "--batch", "3", "--seqlen-q", "7", "--seqlen-k", "40,1,90",
-                 "--mask", "bottom_right"]) == 0
+    assert (
+        main(["run", *small, "--batch", "3", "--seqlen-q", "7", "--seqlen-k", "40,1,90", "--mask", "bottom_right"]) == 0
+    )
     out = capsys.readouterr().out
     # compile_missing compiles the CPU kernel for the call's GQA group (4/2 heads: _g2).
     assert "PASS" in out and "pagedkv_fwd_f16_d64x64_g2_pg16_mbr" in out
@@ -50,8 +51,26 @@ def test_bench_decode_gbs_prefill_tflops_with_baseline(small, capsys):
     assert main(["bench", *small, "--batch", "2", "--seqlen-k", "300", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "GB/s" in out and "TFLOP/s" not in out and "torch gather+SDPA: median" in out
-    assert main(["bench", *small, "--batch", "1", "--seqlen-q", "64", "--seqlen-k", "200", "--mask",
-                 "bottom_right", "--repeat", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                *small,
+                "--batch",
+                "1",
+                "--seqlen-q",
+                "64",
+                "--seqlen-k",
+                "200",
+                "--mask",
+                "bottom_right",
+                "--repeat",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["kind"] == "prefill" and result["unit"] == "TFLOP/s"
     assert result["baseline"]["name"] == "torch gather+SDPA" and result["baseline"]["median_ms"] > 0
@@ -67,8 +86,22 @@ def test_bench_baseline_computes_the_same_attention():
     from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     for mask, sq in (("none", 1), ("bottom_right", 5), ("top_left", 5)):
-        args = parser().parse_args(["bench", *SHAPE, "--dtype", "f32", "--batch", "3", "--seqlen-q", str(sq),
-                                    "--seqlen-k", "40,17,33", "--mask", mask])
+        args = parser().parse_args(
+            [
+                "bench",
+                *SHAPE,
+                "--dtype",
+                "f32",
+                "--batch",
+                "3",
+                "--seqlen-q",
+                str(sq),
+                "--seqlen-k",
+                "40,17,33",
+                "--mask",
+                mask,
+            ]
+        )
         prob, kw = _random_problem(args, np.random.default_rng(0))
         out = torch_gather_sdpa(args, prob)().transpose(1, 2).numpy()
         ref, _ = fmha_fwd_paged_ref(*prob, mask_type=mask, window_size_right=kw["window_size_right"])
@@ -82,11 +115,22 @@ def _manifest_dir(tmp_path, targets=("host", "cuda")):
     d.mkdir()
     names = ["pagedkv_fwd_f16_d64x64_h4x2_pg16_nmask_lse_explicit"] * len(targets)
     names.append("pagedkv_fwd_f32_d64x64_h4x2_pg16_nmask_lse_explicit")
-    entries = [dict(variant=v, target=t, path=f"{t}/{v}.vmfb", sha256="0" * 64, compiler_version="3.13.0",
-                    kernel_abi=KERNEL_ABI, size=100, compile_seconds=1.5, flags=["--x"], isa={})
-               for v, t in zip(names, [*targets, "host"])]
-    (d / "manifest.json").write_text(json.dumps(dict(manifest_version=1, compiler_version="3.13.0",
-                                                     artifacts=entries)))
+    entries = [
+        dict(
+            variant=v,
+            target=t,
+            path=f"{t}/{v}.vmfb",
+            sha256="0" * 64,
+            compiler_version="3.13.0",
+            kernel_abi=KERNEL_ABI,
+            size=100,
+            compile_seconds=1.5,
+            flags=["--x"],
+            isa={},
+        )
+        for v, t in zip(names, [*targets, "host"])
+    ]
+    (d / "manifest.json").write_text(json.dumps(dict(manifest_version=1, compiler_version="3.13.0", artifacts=entries)))
     return d, names[0]
 
 
@@ -125,7 +169,10 @@ def _error_cases(tmp_path):
         (["build", "--variants", "nope"], "--variants"),
         (["build", "--nhead-k", "2"], "--nhead-q is required"),
         (["build", "--model-config", missing], f"cannot read {missing}"),
-        (["build", "--nhead-q", "4", "--nhead-k", "3", "--hdim", "64"], "nhead_q (4) must be a multiple of nhead_k (3)"),
+        (
+            ["build", "--nhead-q", "4", "--nhead-k", "3", "--hdim", "64"],
+            "nhead_q (4) must be a multiple of nhead_k (3)",
+        ),
     ]
 
 
@@ -140,8 +187,9 @@ def test_piped_into_a_closed_reader_exits_quietly(tmp_path):
     """`turbine-fmha list | head`: the reader has gone when the output comes."""
     d, _ = _manifest_dir(tmp_path)
     code = "import sys; from turbine_fmha.cli.main import main; sys.exit(main())"
-    p = subprocess.Popen([sys.executable, "-c", code, "list", "--artifacts", str(d)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, "list", "--artifacts", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     p.stdout.close()  # before the child has imported anything, let alone written
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0 and err == ""
@@ -170,18 +218,49 @@ def test_build_model_config_builds_the_model_set(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tfb, "build", fake_build)
     monkeypatch.setattr(artifacts, "manifest_digest", lambda out: "0" * 64)
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=768,
-                                   torch_dtype="bfloat16")))
-    assert main(["build", "--model-config", str(cfg), "--targets", "host,cuda", "--page", "16,32",
-                 "--artifacts", str(tmp_path / "a")]) == 0
+    cfg.write_text(
+        json.dumps(dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=768, torch_dtype="bfloat16"))
+    )
+    assert (
+        main(
+            [
+                "build",
+                "--model-config",
+                str(cfg),
+                "--targets",
+                "host,cuda",
+                "--page",
+                "16,32",
+                "--artifacts",
+                str(tmp_path / "a"),
+            ]
+        )
+        == 0
+    )
     shape = ModelShape(12, 4, 64, 64, "bf16", (16, 32))
     assert seen["variants"] == {t: model_variants(shape, t) for t in ("host", "cuda")}
     assert isinstance(seen["progress"], tfb.ProgressBar) and seen["out"] == tmp_path / "a"
     assert "model set: 12/4 heads, head dims 64/64, bf16, NHD pages 16,32" in capsys.readouterr().err
     assert main(["build", "--nhead-q", "8", "--hdim", "96", "--dtype", "f32", "--artifacts", str(tmp_path)]) == 0
     assert seen["variants"] == {"host": model_variants(ModelShape(8, 8, 96, 96, "f32"), "host")}
-    assert main(["build", "--nhead-q", "8", "--nhead-k", "2", "--hdim", "64", "--kv-layout", "HND",
-                 "--artifacts", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--nhead-q",
+                "8",
+                "--nhead-k",
+                "2",
+                "--hdim",
+                "64",
+                "--kv-layout",
+                "HND",
+                "--artifacts",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     hnd = model_variants(ModelShape(8, 2, 64, 64, "f16", kv_layout="HND"), "host")
     assert seen["variants"] == {"host": hnd} and all("_hnd_" in k.name or "_h1_" in k.name for k in hnd)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+from conftest import make_problem
 
 import turbine_fmha
-from conftest import make_problem
 
 
 def _problems(rng, n):
@@ -18,10 +18,22 @@ def _problems(rng, n):
     for i in range(n):
         b = int(rng.integers(1, 4))
         sq = int(rng.choice([1, int(rng.integers(2, 40))]))
-        probs.append((make_problem(rng, dtype="f16", batch=b, seqlen_q=sq,
-                                   seqlens_k=[int(rng.integers(0, 120)) for _ in range(b)],
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16),
-                      dict(mask_type="bottom_right", window_size_right=0) if i % 2 else {}))
+        probs.append(
+            (
+                make_problem(
+                    rng,
+                    dtype="f16",
+                    batch=b,
+                    seqlen_q=sq,
+                    seqlens_k=[int(rng.integers(0, 120)) for _ in range(b)],
+                    nhead_q=8,
+                    nhead_k=2,
+                    hdim=64,
+                    page=16,
+                ),
+                dict(mask_type="bottom_right", window_size_right=0) if i % 2 else {},
+            )
+        )
     return probs
 
 
@@ -60,8 +72,9 @@ def test_threads_match_serial_calls(explicit_session, rng):
 
 def test_async_futures(explicit_session, rng):
     probs = _problems(rng, 6)
-    futures = [turbine_fmha.fmha_fwd_paged_async(*p, return_lse=True, session=explicit_session, **kw)
-               for p, kw in probs]
+    futures = [
+        turbine_fmha.fmha_fwd_paged_async(*p, return_lse=True, session=explicit_session, **kw) for p, kw in probs
+    ]
     for (p, kw), fut in zip(probs, futures):
         out, lse = fut.result(timeout=300)
         want_out, want_lse = _call(explicit_session, p, kw)
@@ -82,6 +95,7 @@ def test_sessions_share_device_and_modules(rng):
     """Two sessions on one device share the IREE device and each loaded
     module (runtime._CONFIGS / _MODULES), and still compute the same."""
     from conftest import CACHE
+
     from turbine_fmha.runtime import session as runtime
 
     kw = dict(compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none")

@@ -8,24 +8,27 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import LSE_TOL, OUT_TOL, make_problem, run_and_check
+from test_kv_write import _check_rotated, _rope
 
 import turbine_fmha
-from conftest import LSE_TOL, OUT_TOL, make_problem, run_and_check
-from test_validation import _TrapSession
-from test_kv_write import _check_rotated, _rope
-from turbine_fmha.api.cache import aligned_zeros
 from turbine_fmha import flash_attn_with_kvcache
+from turbine_fmha.api.cache import aligned_zeros
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
-@pytest.fixture(scope="module")
-def trap(tmp_path_factory):
-    return _TrapSession("cpu", artifact_dir=tmp_path_factory.mktemp("empty"))
-
-
 def _small(rng, nhead_q=4, seqlen_q=3, seqlens_k=(20, 5)):
-    return make_problem(rng, dtype="f16", batch=len(seqlens_k), seqlen_q=seqlen_q, seqlens_k=list(seqlens_k),
-                        nhead_q=nhead_q, nhead_k=2, hdim=64, page=16)
+    return make_problem(
+        rng,
+        dtype="f16",
+        batch=len(seqlens_k),
+        seqlen_q=seqlen_q,
+        seqlens_k=list(seqlens_k),
+        nhead_q=nhead_q,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
 
 
 # (flash-attn spelling, the same call in the runtime's own arguments)
@@ -33,12 +36,18 @@ ALIASES = {
     "causal": (dict(causal=True), dict(mask_type="bottom_right", window_size_right=0)),
     "softmax_scale": (dict(softmax_scale=0.07), dict(scale=0.07)),
     "window_size": (dict(window_size=(5, 2)), dict(mask_type="bottom_right", window_size_left=5, window_size_right=2)),
-    "causal_window": (dict(causal=True, window_size=(4, -1)),
-                      dict(mask_type="bottom_right", window_size_left=4, window_size_right=0)),
-    "top_left_window": (dict(mask_type="top_left", window_size=[3, 1]),
-                        dict(mask_type="top_left", window_size_left=3, window_size_right=1)),
-    "causal_with_sides": (dict(causal=True, mask_type="bottom_right", window_size_left=6),
-                          dict(mask_type="bottom_right", window_size_left=6, window_size_right=0)),
+    "causal_window": (
+        dict(causal=True, window_size=(4, -1)),
+        dict(mask_type="bottom_right", window_size_left=4, window_size_right=0),
+    ),
+    "top_left_window": (
+        dict(mask_type="top_left", window_size=[3, 1]),
+        dict(mask_type="top_left", window_size_left=3, window_size_right=1),
+    ),
+    "causal_with_sides": (
+        dict(causal=True, mask_type="bottom_right", window_size_left=6),
+        dict(mask_type="bottom_right", window_size_left=6, window_size_right=0),
+    ),
 }
 
 
@@ -76,8 +85,10 @@ def test_conflicting_or_bad_spellings(trap, rng, case):
     test if a kernel is selected or run), in both public functions."""
     kw, exc, words = BAD[case]
     q, k, v, bt, sk = _small(rng)
-    calls = (lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, session=trap, **kw),
-             lambda: turbine_fmha.fmha_fwd_kvcache(q, k[:2], v[:2], np.minimum(sk, 16), session=trap, **kw))
+    calls = (
+        lambda: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, session=trap, **kw),
+        lambda: turbine_fmha.fmha_fwd_kvcache(q, k[:2], v[:2], np.minimum(sk, 16), session=trap, **kw),
+    )
     for call in calls:
         with pytest.raises(exc) as info:
             call()
@@ -94,8 +105,9 @@ def _dense(rng, batch_cache=3, max_sk=48, nhead_k=2, hdim=64):
 def _dense_ref(q, k, v, rows, seqlen_k, kv_offset=None, **kw):
     """The reference over a non-paged cache: each cache row is one page of
     max_seqlen_k keys, and sequence b's table is [rows[b]]."""
-    return fmha_fwd_paged_ref(q, k, v, np.asarray(rows, np.int32)[:, None], np.asarray(seqlen_k, np.int32),
-                              kv_offset=kv_offset, **kw)
+    return fmha_fwd_paged_ref(
+        q, k, v, np.asarray(rows, np.int32)[:, None], np.asarray(seqlen_k, np.int32), kv_offset=kv_offset, **kw
+    )
 
 
 def _close(out, ref, lse=None, ref_lse=None):
@@ -115,10 +127,15 @@ def test_kvcache_seqlens_int_array_or_whole_row(explicit_session, rng):
     k, v = _dense(rng)
     q = rng.standard_normal((2, 4, 4, 64)).astype(np.float16)
     rows = np.array([2, 0], np.int32)
-    for given, lens in ((dict(cache_seqlens=30), [30, 30]), (dict(cache_seqlens=np.array([48, 7], np.int32)), [48, 7]),
-                        (dict(seqlen_k=11), [11, 11]), ({}, [48, 48])):
-        out, lse = turbine_fmha.fmha_fwd_kvcache(q, k, v, cache_batch_idx=rows, causal=True, return_lse=True,
-                                                 session=explicit_session, **given)
+    for given, lens in (
+        (dict(cache_seqlens=30), [30, 30]),
+        (dict(cache_seqlens=np.array([48, 7], np.int32)), [48, 7]),
+        (dict(seqlen_k=11), [11, 11]),
+        ({}, [48, 48]),
+    ):
+        out, lse = turbine_fmha.fmha_fwd_kvcache(
+            q, k, v, cache_batch_idx=rows, causal=True, return_lse=True, session=explicit_session, **given
+        )
         ref, ref_lse = _dense_ref(q, k, v, rows, lens, mask_type="bottom_right", window_size_right=0)
         _close(out, ref, lse, ref_lse)
     with pytest.raises(ValueError, match="seqlen_k and cache_seqlens"):
@@ -137,10 +154,14 @@ FLASH_CASES = {
     "causal": (dict(causal=True), dict(mask_type="bottom_right", window_size_right=0)),
     "window": (dict(window_size=(6, 2)), dict(mask_type="bottom_right", window_size_left=6, window_size_right=2)),
     "alibi_causal": (dict(causal=True, alibi=True), dict(mask_type="bottom_right", window_size_right=0, alibi=True)),
-    "softcap_causal": (dict(causal=True, softcap=4.0, softmax_scale=0.5),
-                       dict(mask_type="bottom_right", window_size_right=0, logits_soft_cap=4.0, scale=0.5)),
-    "leftpad_local": (dict(window_size=(9, 0), leftpad=True),
-                      dict(mask_type="bottom_right", window_size_left=9, window_size_right=0, leftpad=True)),
+    "softcap_causal": (
+        dict(causal=True, softcap=4.0, softmax_scale=0.5),
+        dict(mask_type="bottom_right", window_size_right=0, logits_soft_cap=4.0, scale=0.5),
+    ),
+    "leftpad_local": (
+        dict(window_size=(9, 0), leftpad=True),
+        dict(mask_type="bottom_right", window_size_left=9, window_size_right=0, leftpad=True),
+    ),
 }
 
 
@@ -158,12 +179,14 @@ def _flash_kwargs(rng, fa, ref, batch, nhead, lens):
 
 @pytest.mark.parametrize("case", sorted(FLASH_CASES))
 def test_flash_attn_with_kvcache_paged(explicit_session, rng, case):
-    prob = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[70, 9, 33], nhead_q=8, nhead_k=2,
-                        hdim=64, page=16)
+    prob = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[70, 9, 33], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     q, k, v, bt, lens = prob
     fa, ref_kw = _flash_kwargs(rng, *FLASH_CASES[case], 3, 8, lens)
-    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=bt, return_softmax_lse=True,
-                                       session=explicit_session, **fa)
+    out, lse = flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=lens, block_table=bt, return_softmax_lse=True, session=explicit_session, **fa
+    )
     pads = ref_kw.get("kv_offset")
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, lens if pads is None else lens - pads, **ref_kw)
     assert out.shape == q.shape and lse.shape == (3, 8, 5)  # flash-attn's [batch, nheads, seqlen_q]
@@ -176,10 +199,19 @@ def test_flash_attn_with_kvcache_dense(explicit_session, rng):
     k, v = _dense(rng, batch_cache=4)
     q = rng.standard_normal((3, 6, 8, 64)).astype(np.float16)
     rows, pads = np.array([3, 1, 0], np.int32), np.array([0, 17, 40], np.int32)
-    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=44, cache_batch_idx=rows, cache_leftpad=pads,
-                                       causal=True, num_splits=0, return_softmax_lse=True, session=explicit_session)
-    ref, ref_lse = _dense_ref(q, k, v, rows, 44 - pads, kv_offset=pads, mask_type="bottom_right",
-                              window_size_right=0)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        k,
+        v,
+        cache_seqlens=44,
+        cache_batch_idx=rows,
+        cache_leftpad=pads,
+        causal=True,
+        num_splits=0,
+        return_softmax_lse=True,
+        session=explicit_session,
+    )
+    ref, ref_lse = _dense_ref(q, k, v, rows, 44 - pads, kv_offset=pads, mask_type="bottom_right", window_size_right=0)
     _close(out, ref, lse, ref_lse)
     whole = flash_attn_with_kvcache(q, k, v, cache_batch_idx=rows, session=explicit_session)
     _close(whole, _dense_ref(q, k, v, rows, [48] * 3)[0])
@@ -188,16 +220,28 @@ def test_flash_attn_with_kvcache_dense(explicit_session, rng):
 FLASH_BAD = {
     "append_k_alone": (dict(k="k"), ValueError, ["k and v come together"]),
     "append_v_alone": (dict(v="v"), ValueError, ["k and v come together"]),
-    "rotary_without_k": (dict(rotary_cos="cos", rotary_sin="sin"), NotImplementedError,
-                         ["rotary_cos/rotary_sin without k/v"]),
+    "rotary_without_k": (
+        dict(rotary_cos="cos", rotary_sin="sin"),
+        NotImplementedError,
+        ["rotary_cos/rotary_sin without k/v"],
+    ),
     "append_without_seqlens": (dict(k="k", v="v"), ValueError, ["cache_seqlens is required"]),
-    "append_negative_seqlens": (dict(k="knew", v="vnew", cache_seqlens=np.array([3, -1], np.int32), paged=True),
-                                ValueError, ["cache_seqlens[1] = -1"]),
-    "paged_batch_idx": (dict(cache_batch_idx=np.zeros(2, np.int32), paged=True), ValueError,
-                        ["cache_batch_idx", "block_table"]),
+    "append_negative_seqlens": (
+        dict(k="knew", v="vnew", cache_seqlens=np.array([3, -1], np.int32), paged=True),
+        ValueError,
+        ["cache_seqlens[1] = -1"],
+    ),
+    "paged_batch_idx": (
+        dict(cache_batch_idx=np.zeros(2, np.int32), paged=True),
+        ValueError,
+        ["cache_batch_idx", "block_table"],
+    ),
     "num_splits": (dict(num_splits=-1), ValueError, ["num_splits"]),
-    "leftpad_past_end": (dict(cache_seqlens=np.array([20, 5], np.int32), cache_leftpad=np.array([3, 6], np.int32),
-                              paged=True), ValueError, ["cache_leftpad[1] = 6", "cache_seqlens[1] = 5"]),
+    "leftpad_past_end": (
+        dict(cache_seqlens=np.array([20, 5], np.int32), cache_leftpad=np.array([3, 6], np.int32), paged=True),
+        ValueError,
+        ["cache_leftpad[1] = 6", "cache_seqlens[1] = 5"],
+    ),
     "softcap_alibi": (dict(softcap=5.0, alibi_slopes=np.ones(4, np.float32)), ValueError, ["softcap", "alibi_slopes"]),
     "causal_and_right": (dict(causal=True, window_size=(-1, 4)), ValueError, ["causal", "window_size[1]"]),
 }
@@ -237,8 +281,17 @@ def _appended(rng, paged, lens, new):
     """q, caches with room for `new` keys after `lens`, the block table (or
     the dense rows), the new K/V, and the slot of each new key."""
     if paged:
-        q, kc, vc, bt, _ = make_problem(rng, dtype="f16", batch=len(lens), seqlen_q=new, seqlens_k=list(lens + new),
-                                        nhead_q=8, nhead_k=2, hdim=64, page=16)
+        q, kc, vc, bt, _ = make_problem(
+            rng,
+            dtype="f16",
+            batch=len(lens),
+            seqlen_q=new,
+            seqlens_k=list(lens + new),
+            nhead_q=8,
+            nhead_k=2,
+            hdim=64,
+            page=16,
+        )
         pos = lens[:, None] + np.arange(new)
         slots = np.take_along_axis(bt, pos // 16, axis=1) * 16 + pos % 16
     else:
@@ -266,13 +319,24 @@ def test_flash_attn_with_kvcache_appends(explicit_session, rng, case):
         cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
         kw.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary == "interleaved")
     mask = dict(mask_type="bottom_right", window_size_right=0) if causal else {}
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lens, causal=causal,
-                                       return_softmax_lse=True, session=explicit_session, **kw)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        k=k_new,
+        v=v_new,
+        cache_seqlens=lens,
+        causal=causal,
+        return_softmax_lse=True,
+        session=explicit_session,
+        **kw,
+    )
     pos = (lens[:, None] + np.arange(new)).reshape(-1)
     flat_k, flat_v = kc.reshape(-1, 2, 64), vc.reshape(-1, 2, 64)
     if rotary:
-        _check_rotated(flat_k[slots], k_new.reshape(-1, 2, 64), pos, cos, sin, rotary == "interleaved",
-                       "float16", "new keys")
+        _check_rotated(
+            flat_k[slots], k_new.reshape(-1, 2, 64), pos, cos, sin, rotary == "interleaved", "float16", "new keys"
+        )
         q_pos = pos if causal else np.repeat(lens, new)  # flash-attn: q rotated with the keys when causal/local
         q_ref = _rope(q.reshape(-1, 8, 64), q_pos, cos, sin, rotary == "interleaved")[0].reshape(q.shape)
     else:
@@ -302,10 +366,28 @@ def test_flash_attn_with_kvcache_append_failure_leaves_the_caches(explicit_sessi
 
         q, kc, vc, k_new, v_new = (torch.from_numpy(a) for a in (q, kc, vc, k_new, v_new))
     with pytest.raises(ValueError, match="softcap"):
-        flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=lens, block_table=bt, softcap=5.0,
-                                alibi_slopes=np.ones(8, np.float32), session=explicit_session)
+        flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k=k_new,
+            v=v_new,
+            cache_seqlens=lens,
+            block_table=bt,
+            softcap=5.0,
+            alibi_slopes=np.ones(8, np.float32),
+            session=explicit_session,
+        )
     with pytest.raises(ValueError, match="cache_seqlens\\[0\\]"):
-        flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=np.array([bt.shape[1] * 16 - 1, 5, 17]),
-                                block_table=bt, session=explicit_session)
+        flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k=k_new,
+            v=v_new,
+            cache_seqlens=np.array([bt.shape[1] * 16 - 1, 5, 17]),
+            block_table=bt,
+            session=explicit_session,
+        )
     np.testing.assert_array_equal(np.asarray(kc).view(np.uint16), kc0.view(np.uint16))
     np.testing.assert_array_equal(np.asarray(vc).view(np.uint16), vc0.view(np.uint16))

@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import CACHE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import demo  # noqa: E402
+import demo
 
 
 def test_demo_verifies_every_request(monkeypatch, capsys):

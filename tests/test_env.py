@@ -6,9 +6,9 @@ variable; unset or empty means the default."""
 from __future__ import annotations
 
 import pytest
+from test_cli import cli
 
 import turbine_fmha
-from test_cli import cli
 from turbine_fmha.core import env
 from turbine_fmha.runtime.session import cpu_threads
 
@@ -48,10 +48,13 @@ def test_manifest_pin_from_the_environment_names_it(monkeypatch, tmp_path):
         turbine_fmha.Session("cpu", artifact_dir=tmp_path)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["run", "--seed", "-1"], "argument --seed: must be at least 0, got -1"),
-    (["run", "--seed", "x"], "argument --seed: expected an integer"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["run", "--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+        (["run", "--seed", "x"], "argument --seed: expected an integer"),
+    ],
+)
 def test_cli_errors_name_the_flag(capsys, argv, words):
     assert cli(argv) == 2
     err = capsys.readouterr().err

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import make_problem, run_and_check
 
 import turbine_fmha
-from conftest import make_problem, run_and_check
 
 FORMULATIONS = ["explicit", "online"]
 
@@ -26,14 +26,19 @@ def _problem(rng, dtype="f16", batch=None, seqlen_q=None, seqlens=None, nq=8, nk
     batch = batch or int(rng.integers(1, 4))
     seqlen_q = seqlen_q or int(rng.integers(1, 40))
     seqlens = seqlens or [int(rng.integers(0, 90)) for _ in range(batch)]
-    return make_problem(rng, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens,
-                        nhead_q=nq, nhead_k=nk, hdim=64, page=page)
+    return make_problem(
+        rng, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens, nhead_q=nq, nhead_k=nk, hdim=64, page=page
+    )
 
 
 def _slopes(rng, batch, nq, per_batch):
     # ALiBi slopes as models use them (2^(-8 h / n)), jittered per run.
     base = 2.0 ** (-8.0 * np.arange(1, nq + 1) / nq) * rng.uniform(0.5, 1.5)
-    return np.tile(base, (batch, 1)).astype(np.float32) * rng.uniform(0.5, 1.5, (batch, 1)).astype(np.float32) if per_batch else base.astype(np.float32)
+    return (
+        np.tile(base, (batch, 1)).astype(np.float32) * rng.uniform(0.5, 1.5, (batch, 1)).astype(np.float32)
+        if per_batch
+        else base.astype(np.float32)
+    )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -42,19 +47,30 @@ def test_sliding_window(sessions, rng, formulation, mask):
     for _ in range(2):
         left, right = (int(x) for x in rng.integers(-1, 12, size=2))
         prob = _problem(rng)
-        run_and_check(sessions[formulation], prob, dtype="f16", mask_type=mask,
-                      window_size_left=left, window_size_right=right)
+        run_and_check(
+            sessions[formulation], prob, dtype="f16", mask_type=mask, window_size_left=left, window_size_right=right
+        )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("mask", ["top_left", "bottom_right"])
 def test_sink_tokens(sessions, rng, formulation, mask):
     # A small left window slides past the first keys; sink tokens keep them.
-    for seqlen_q, seqlens in ((int(rng.integers(20, 60)), [70, 25]), (int(rng.integers(1, 5)), [90, 33]), (30, [12, 0])):
+    for seqlen_q, seqlens in (
+        (int(rng.integers(20, 60)), [70, 25]),
+        (int(rng.integers(1, 5)), [90, 33]),
+        (30, [12, 0]),
+    ):
         prob = _problem(rng, batch=2, seqlen_q=seqlen_q, seqlens=seqlens)
-        run_and_check(sessions[formulation], prob, dtype="f16", mask_type=mask,
-                      window_size_left=int(rng.integers(0, 6)), window_size_right=int(rng.integers(0, 3)),
-                      sink_size=int(rng.integers(1, 6)))
+        run_and_check(
+            sessions[formulation],
+            prob,
+            dtype="f16",
+            mask_type=mask,
+            window_size_left=int(rng.integers(0, 6)),
+            window_size_right=int(rng.integers(0, 3)),
+            sink_size=int(rng.integers(1, 6)),
+        )
 
 
 def test_sink_tokens_visible_only_within_right_bound(explicit_session, rng):
@@ -64,19 +80,29 @@ def test_sink_tokens_visible_only_within_right_bound(explicit_session, rng):
     assert vis[0, :3].tolist() == [True, False, False]  # sinks past row 0's right bound stay hidden
     assert vis[5, :3].all() and not vis[5, 3]
     prob = _problem(rng, dtype="f32", batch=1, seqlen_q=6, seqlens=[10], nq=2, nk=2)
-    run_and_check(explicit_session, prob, dtype="f32", mask_type="top_left",
-                  window_size_left=1, window_size_right=0, sink_size=3)
+    run_and_check(
+        explicit_session, prob, dtype="f32", mask_type="top_left", window_size_left=1, window_size_right=0, sink_size=3
+    )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
-@pytest.mark.parametrize("mask,left,right", [("none", -1, -1), ("bottom_right", -1, 0), ("top_left", -1, 0),
-                                             ("bottom_right", 9, 2), ("top_left", 4, -1)])
+@pytest.mark.parametrize(
+    "mask,left,right",
+    [("none", -1, -1), ("bottom_right", -1, 0), ("top_left", -1, 0), ("bottom_right", 9, 2), ("top_left", 4, -1)],
+)
 def test_alibi(sessions, rng, formulation, mask, left, right):
     prob = _problem(rng, dtype="f32")
     b = prob[0].shape[0]
     slopes = _slopes(rng, b, 8, per_batch=bool(rng.integers(2)))
-    run_and_check(sessions[formulation], prob, dtype="f32", mask_type=mask,
-                  window_size_left=left, window_size_right=right, alibi_slopes=slopes)
+    run_and_check(
+        sessions[formulation],
+        prob,
+        dtype="f32",
+        mask_type=mask,
+        window_size_left=left,
+        window_size_right=right,
+        alibi_slopes=slopes,
+    )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -86,9 +112,18 @@ def test_elementwise_bias(sessions, rng, formulation, shape):
     b, sq = prob[0].shape[:2]
     max_sk = int(prob[4].max())
     extra = int(rng.integers(0, 5))  # bias key axis may be longer than max(seqlen_k)
-    bias = rng.standard_normal((b if shape[0] == "b" else 1, 8 if shape[1] == "h" else 1, sq, max_sk + extra)).astype(np.float32)
-    run_and_check(sessions[formulation], prob, dtype="f16", mask_type="bottom_right",
-                  window_size_left=-1, window_size_right=0, bias=bias)
+    bias = rng.standard_normal((b if shape[0] == "b" else 1, 8 if shape[1] == "h" else 1, sq, max_sk + extra)).astype(
+        np.float32
+    )
+    run_and_check(
+        sessions[formulation],
+        prob,
+        dtype="f16",
+        mask_type="bottom_right",
+        window_size_left=-1,
+        window_size_right=0,
+        bias=bias,
+    )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -97,8 +132,14 @@ def test_logits_soft_cap(sessions, rng, formulation, dtype):
     prob = _problem(rng, dtype=dtype)
     # Scale up q so the cap actually bends the scores.
     prob = (prob[0] * np.asarray(4, prob[0].dtype),) + prob[1:]
-    run_and_check(sessions[formulation], prob, dtype=dtype, mask_type="top_left",
-                  window_size_right=0, logits_soft_cap=float(rng.uniform(5, 30)))
+    run_and_check(
+        sessions[formulation],
+        prob,
+        dtype=dtype,
+        mask_type="top_left",
+        window_size_right=0,
+        logits_soft_cap=float(rng.uniform(5, 30)),
+    )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -106,8 +147,9 @@ def test_attention_sinks(sessions, rng, formulation):
     # Includes rows without any visible key (bottom-right, sq > sk): output 0, LSE = sink.
     prob = _problem(rng, batch=3, seqlen_q=12, seqlens=[int(rng.integers(20, 80)), 5, 0])
     sinks = rng.uniform(-2, 3, 8).astype(np.float32)
-    out, lse = run_and_check(sessions[formulation], prob, dtype="f16", mask_type="bottom_right",
-                             window_size_right=0, sinks=sinks)
+    out, lse = run_and_check(
+        sessions[formulation], prob, dtype="f16", mask_type="bottom_right", window_size_right=0, sinks=sinks
+    )
     np.testing.assert_allclose(lse[2], np.broadcast_to(sinks[:, None], (8, 12)), rtol=0, atol=1e-6)
     assert (out[2] == 0).all()
 
@@ -122,20 +164,30 @@ def test_attention_sinks(sessions, rng, formulation):
         dict(softcap=True, sinks=True, window=(6, 1), sink_size=2),
         dict(alibi=True, window=(-1, -1)),
     ],
-    ids=["alibi+sinks+window+sink_size", "bias_bh+sinks+causal", "bias_11+window+sink_size",
-         "softcap+sinks+window+sink_size", "alibi+unbounded_window"],
+    ids=[
+        "alibi+sinks+window+sink_size",
+        "bias_bh+sinks+causal",
+        "bias_11+window+sink_size",
+        "softcap+sinks+window+sink_size",
+        "alibi+unbounded_window",
+    ],
 )
 def test_combinations(sessions, rng, formulation, combo):
     prob = _problem(rng, dtype="f32")
     b, sq = prob[0].shape[:2]
-    kw = dict(mask_type=str(rng.choice(["top_left", "bottom_right"])),
-              window_size_left=combo["window"][0], window_size_right=combo["window"][1],
-              sink_size=combo.get("sink_size", 0))
+    kw = dict(
+        mask_type=str(rng.choice(["top_left", "bottom_right"])),
+        window_size_left=combo["window"][0],
+        window_size_right=combo["window"][1],
+        sink_size=combo.get("sink_size", 0),
+    )
     if combo.get("alibi"):
         kw["alibi_slopes"] = _slopes(rng, b, 8, per_batch=True)
     if combo.get("bias"):
         s = combo["bias"]
-        kw["bias"] = rng.standard_normal((b if s[0] == "b" else 1, 8 if s[1] == "h" else 1, sq, int(prob[4].max()))).astype(np.float32)
+        kw["bias"] = rng.standard_normal(
+            (b if s[0] == "b" else 1, 8 if s[1] == "h" else 1, sq, int(prob[4].max()))
+        ).astype(np.float32)
     if combo.get("softcap"):
         kw["logits_soft_cap"] = 3.0
     if combo.get("sinks"):
@@ -162,8 +214,9 @@ def test_combinations(sessions, rng, formulation, combo):
     ],
 )
 def test_unsupported_or_bad_feature_arguments(rng, tmp_path, kw, words):
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5],
-                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)  # nothing loadable: errors must come first
     with pytest.raises((ValueError, TypeError)) as info:
         turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, session=s, **kw)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import make_problem, run_and_check
 
 import turbine_fmha
-from conftest import make_problem, run_and_check
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref, fp8_round
 
 FORMATS = ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"]
@@ -34,11 +34,21 @@ def _fp8_problem(rng, fmt, dtype, **kw):
 def test_fp8_kv_cache(explicit_session, online_session, rng, formulation, fmt, dtype):
     session = explicit_session if formulation == "explicit" else online_session
     sq = int(rng.integers(1, 30))
-    prob, k_scale, v_scale = _fp8_problem(rng, fmt, dtype, batch=3, seqlen_q=sq,
-                                          seqlens_k=[int(rng.integers(0, 80)) for _ in range(3)],
-                                          nhead_q=8, nhead_k=2, hdim=64, page=16)
-    run_and_check(session, prob, dtype=dtype, mask_type="bottom_right", window_size_right=0,
-                  k_scale=k_scale, v_scale=v_scale)
+    prob, k_scale, v_scale = _fp8_problem(
+        rng,
+        fmt,
+        dtype,
+        batch=3,
+        seqlen_q=sq,
+        seqlens_k=[int(rng.integers(0, 80)) for _ in range(3)],
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
+    run_and_check(
+        session, prob, dtype=dtype, mask_type="bottom_right", window_size_right=0, k_scale=k_scale, v_scale=v_scale
+    )
     assert session.last_variant.kv_dtype == fmt.replace("float8_", "f8").replace("_", "")
     # The online (GPU) kernels take fp8 caches in their decode tiles only;
     # other calls are served by the explicit formulation, which compiles for
@@ -53,21 +63,27 @@ def test_fp8_kv_online_decode(rng, fmt):
     the dequantized cache."""
     from conftest import CACHE
 
-    session = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
-                                   formulation="online", compute_units=8)
-    prob, k_scale, v_scale = _fp8_problem(rng, fmt, "f16", batch=3, seqlen_q=1, seqlens_k=[1500, 0, 700],
-                                          nhead_q=8, nhead_k=2, hdim=64, page=16)
+    session = turbine_fmha.Session(
+        "cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none", formulation="online", compute_units=8
+    )
+    prob, k_scale, v_scale = _fp8_problem(
+        rng, fmt, "f16", batch=3, seqlen_q=1, seqlens_k=[1500, 0, 700], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     run_and_check(session, prob, dtype="f16", k_scale=k_scale, v_scale=v_scale)
     used = session.last_variant
     # 1500 keys: 4 merged splits of 256 or more (plan.MIN_KEYS_PER_MERGED_SPLIT).
     assert (used.formulation, used.kv_dtype, used.merge_splits) == (
-        "online", fmt.replace("float8_", "f8").replace("_", ""), 4)
+        "online",
+        fmt.replace("float8_", "f8").replace("_", ""),
+        4,
+    )
 
 
 def test_fp8_errors(rng, tmp_path):
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
-    (q, k, v, bt, sk), ks, vs = _fp8_problem(rng, "float8_e4m3fn", "f16", batch=2, seqlen_q=2,
-                                             seqlens_k=[9, 3], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    (q, k, v, bt, sk), ks, vs = _fp8_problem(
+        rng, "float8_e4m3fn", "f16", batch=2, seqlen_q=2, seqlens_k=[9, 3], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     cases = [
         (dict(q=q.astype(np.float32)), "float16 or bfloat16"),
         (dict(v=v.astype(ml_dtypes.float8_e5m2)), "v_cache dtype"),
@@ -78,11 +94,13 @@ def test_fp8_errors(rng, tmp_path):
         args = dict(q=q, k=k, v=v, k_scale=ks, v_scale=vs)
         args.update(over)
         with pytest.raises((ValueError, TypeError)) as info:
-            turbine_fmha.fmha_fwd_paged(args["q"], args["k"], args["v"], bt, sk, k_scale=args["k_scale"],
-                                        v_scale=args["v_scale"], session=s)
+            turbine_fmha.fmha_fwd_paged(
+                args["q"], args["k"], args["v"], bt, sk, k_scale=args["k_scale"], v_scale=args["v_scale"], session=s
+            )
         assert word in str(info.value), (word, str(info.value))
-    q16, k16, v16, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=2, seqlens_k=[9, 3],
-                                         nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q16, k16, v16, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=2, seqlens_k=[9, 3], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     with pytest.raises(ValueError, match="k_scale is for fp8"):
         turbine_fmha.fmha_fwd_paged(q16, k16, v16, bt, sk, k_scale=0.5, session=s)
 
@@ -101,14 +119,20 @@ def test_fp8_decode_is_exact_for_every_byte(explicit_session):
         v = codes.reshape(1, 1, 1, 256)
         k = np.zeros((1, 1, 1, 64), f8)
         q = np.zeros((1, 1, 1, 64), np.float16)
-        out = turbine_fmha.fmha_fwd_paged(q, k, np.where(finite, v, np.zeros_like(v)).astype(f8),
-                                          np.zeros((1, 1), np.int32), np.ones(1, np.int32),
-                                          session=explicit_session)
+        out = turbine_fmha.fmha_fwd_paged(
+            q,
+            k,
+            np.where(finite, v, np.zeros_like(v)).astype(f8),
+            np.zeros((1, 1), np.int32),
+            np.ones(1, np.int32),
+            session=explicit_session,
+        )
         got = out.reshape(256).astype(np.float32)
         np.testing.assert_array_equal(got[finite], want[finite].astype(np.float16).astype(np.float32), err_msg=fmt)
 
 
 # --- static quantization: fp8 Q/K/V and output (ck_tile kDoFp8StaticQuant) ---
+
 
 def _fp8_step(x, f8):
     """Spacing of the fp8 grid at |x| (subnormal spacing below the normals)."""
@@ -126,12 +150,16 @@ def _squant_problem(rng, fmt, **kw):
     top = float(ml_dtypes.finfo(f8).max)
     q_scale, k_scale, v_scale = (float(np.nanmax(np.abs(x)) / top * rng.uniform(1.0, 1.5)) for x in (q, k, v))
     quant = [(x / s).astype(f8) for x, s in ((q, q_scale), (k, k_scale), (v, v_scale))]
-    scales = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                  # Outputs |o| <~ 3: out_scale down to 1e-3 drives some of
-                  # them into saturation; p_scale from a quarter of the
-                  # format's max (coarser P grid) up to the default.
-                  out_scale=float(10 ** rng.uniform(-3, -1)),
-                  p_scale=float(rng.uniform(0.25, 1.0) * ml_dtypes.finfo(f8).max))
+    scales = dict(
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        # Outputs |o| <~ 3: out_scale down to 1e-3 drives some of
+        # them into saturation; p_scale from a quarter of the
+        # format's max (coarser P grid) up to the default.
+        out_scale=float(10 ** rng.uniform(-3, -1)),
+        p_scale=float(rng.uniform(0.25, 1.0) * ml_dtypes.finfo(f8).max),
+    )
     return (*quant, bt, sk), scales
 
 
@@ -150,8 +178,9 @@ P_SLACK = 1e-5
 
 def _squant_refs(q, k, v, bt, sk, **kw):
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
-    alts = [fmha_fwd_paged_ref(q, k, v, bt, sk, **dict(kw, p_scale=kw["p_scale"] * (1 + d)))[0]
-            for d in (-P_SLACK, P_SLACK)]
+    alts = [
+        fmha_fwd_paged_ref(q, k, v, bt, sk, **dict(kw, p_scale=kw["p_scale"] * (1 + d)))[0] for d in (-P_SLACK, P_SLACK)
+    ]
     return ref, ref_lse, np.minimum.reduce([ref, *alts]), np.maximum.reduce([ref, *alts])
 
 
@@ -185,13 +214,19 @@ def test_fp8_static_quant(explicit_session, rng, fmt):
     f8 = getattr(ml_dtypes, fmt)
     batch = 3
     (q, k, v, bt, sk), scales = _squant_problem(
-        rng, fmt, batch=batch, seqlen_q=int(rng.integers(1, 40)),
+        rng,
+        fmt,
+        batch=batch,
+        seqlen_q=int(rng.integers(1, 40)),
         seqlens_k=[int(rng.integers(0, 100)) for _ in range(batch)],
-        nhead_q=8, nhead_k=2, hdim=64, page=16)
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
     kw = dict(mask_type="bottom_right", window_size_right=0, **scales)
     poison = np.full(q.shape[:-1] + (64,), np.nan, f8)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, out=poison, return_lse=True,
-                                           session=explicit_session, **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, out=poison, return_lse=True, session=explicit_session, **kw)
     assert out is poison
     _check_squant(out, lse, _squant_refs(q, k, v, bt, sk, **kw), f8)
     assert explicit_session.last_variant.static_quant
@@ -204,12 +239,20 @@ def test_fp8_static_quant_features(explicit_session, online_session, rng):
     f8 = getattr(ml_dtypes, fmt)
     lens_q = [1, int(rng.integers(2, 30)), 1, int(rng.integers(2, 30))]
     lens_k = [int(rng.integers(lq, 90)) for lq in lens_q]
-    (q4, k, v, bt, sk), scales = _squant_problem(rng, fmt, batch=4, seqlen_q=max(lens_q), seqlens_k=lens_k,
-                                                 nhead_q=8, nhead_k=2, hdim=64, page=16)
+    (q4, k, v, bt, sk), scales = _squant_problem(
+        rng, fmt, batch=4, seqlen_q=max(lens_q), seqlens_k=lens_k, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
     seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_left=20, window_size_right=0,
-              logits_soft_cap=30.0, sinks=rng.uniform(-2, 2, 8).astype(np.float32), **scales)
+    kw = dict(
+        seqstart_q=seqstart,
+        mask_type="bottom_right",
+        window_size_left=20,
+        window_size_right=0,
+        logits_soft_cap=30.0,
+        sinks=rng.uniform(-2, 2, 8).astype(np.float32),
+        **scales,
+    )
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, return_lse=True, session=online_session, **kw)
     _check_squant(out, lse, _squant_refs(q, k, v, bt, sk, **kw), f8)
     assert online_session.last_variant.formulation == "explicit"
@@ -227,8 +270,17 @@ def test_fp8_encode_is_exact_for_every_byte(explicit_session, v_scale):
         v = codes.reshape(1, 1, 1, 256)
         k = np.zeros((1, 1, 1, 64), f8)
         q = np.zeros((1, 1, 1, 64), f8)
-        out = turbine_fmha.fmha_fwd_paged(q, k, v, np.zeros((1, 1), np.int32), np.ones(1, np.int32),
-                                          v_scale=v_scale, p_scale=1.0, out_scale=1.0, session=explicit_session)
+        out = turbine_fmha.fmha_fwd_paged(
+            q,
+            k,
+            v,
+            np.zeros((1, 1), np.int32),
+            np.ones(1, np.int32),
+            v_scale=v_scale,
+            p_scale=1.0,
+            out_scale=1.0,
+            session=explicit_session,
+        )
         got = out.reshape(256)
         vals = codes.astype(np.float64)
         want = fp8_round(vals * v_scale, f8)
@@ -246,18 +298,41 @@ def test_fp8_encode_is_exact_for_every_byte(explicit_session, v_scale):
 
 def test_fp8_static_quant_errors(rng, tmp_path):
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path)
-    (q, k, v, bt, sk), scales = _squant_problem(rng, "float8_e4m3fn", batch=2, seqlen_q=2, seqlens_k=[9, 3],
-                                                nhead_q=4, nhead_k=2, hdim=64, page=16)
+    (q, k, v, bt, sk), scales = _squant_problem(
+        rng, "float8_e4m3fn", batch=2, seqlen_q=2, seqlens_k=[9, 3], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     q16 = q.astype(np.float16)
     cases = [
         (dict(k=k.astype(ml_dtypes.float8_e4m3fnuz)), "k_cache dtype"),
         (dict(v=v.astype(np.float16)), "v_cache dtype"),
         (dict(p_scale=-1.0), "p_scale"),
         (dict(out_scale=float("nan")), "out_scale"),
-        (dict(q=q16, k=k.astype(np.float16), v=v.astype(np.float16), p_scale=None, out_scale=None,
-              q_scale=0.5, k_scale=None, v_scale=None), "q_scale is for fp8 q"),
-        (dict(q=q16, k=k.astype(np.float16), v=v.astype(np.float16), p_scale=None, out_scale=1.0,
-              q_scale=None, k_scale=None, v_scale=None), "out_scale is for fp8 q"),
+        (
+            dict(
+                q=q16,
+                k=k.astype(np.float16),
+                v=v.astype(np.float16),
+                p_scale=None,
+                out_scale=None,
+                q_scale=0.5,
+                k_scale=None,
+                v_scale=None,
+            ),
+            "q_scale is for fp8 q",
+        ),
+        (
+            dict(
+                q=q16,
+                k=k.astype(np.float16),
+                v=v.astype(np.float16),
+                p_scale=None,
+                out_scale=1.0,
+                q_scale=None,
+                k_scale=None,
+                v_scale=None,
+            ),
+            "out_scale is for fp8 q",
+        ),
     ]
     for over, word in cases:
         args = dict(q=q, k=k, v=v, **scales)

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import LSE_TOL, OUT_TOL, np_dtype
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import turbine_fmha
-from conftest import LSE_TOL, OUT_TOL, np_dtype
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 HEADS = [(4, 2), (4, 4), (4, 1)]
@@ -64,9 +64,27 @@ def problems(draw):
     offset = draw(st.sampled_from(OFFSETS)) if feature == "offset" else None
     poison = draw(st.sampled_from(POISON))
     alias = draw(st.sampled_from(ALIASES))
-    return dict(dtype=dtype, hq=hq, hk=hk, d=d, dv=dv, page=page, lens_q=lens_q, lens_k=lens_k, offsets=offsets,
-                group=group, kw=kw, feature=feature, splits=splits, formulation=formulation, seed=seed,
-                scale=scale, offset=offset, poison=poison, alias=alias)
+    return dict(
+        dtype=dtype,
+        hq=hq,
+        hk=hk,
+        d=d,
+        dv=dv,
+        page=page,
+        lens_q=lens_q,
+        lens_k=lens_k,
+        offsets=offsets,
+        group=group,
+        kw=kw,
+        feature=feature,
+        splits=splits,
+        formulation=formulation,
+        seed=seed,
+        scale=scale,
+        offset=offset,
+        poison=poison,
+        alias=alias,
+    )
 
 
 def _build(p):
@@ -97,16 +115,20 @@ def _build(p):
         kw["alibi_slopes"] = rng.uniform(0.05, 0.5, p["hq"]).astype(np.float32)
     elif f == "bias":
         keys = max(p["lens_k"] + [1])
-        kw["bias"] = (rng.standard_normal((p["hq"], total, keys)) if p["group"]
-                      else rng.standard_normal((1, p["hq"], p["lens_q"][0], keys))).astype(np.float32)
+        kw["bias"] = (
+            rng.standard_normal((p["hq"], total, keys))
+            if p["group"]
+            else rng.standard_normal((1, p["hq"], p["lens_q"][0], keys))
+        ).astype(np.float32)
     elif f == "softcap":
         kw["logits_soft_cap"] = 2.5
     elif f == "sinks":
         kw["sinks"] = rng.uniform(-1, 2, p["hq"]).astype(np.float32)
     elif f == "offset":
         keys = max(p["lens_k"] + [1])
-        kw["bias"] = np.full((p["hq"], total, keys) if p["group"] else (1, 1, p["lens_q"][0], keys),
-                             p.get("offset", -1e30), np.float32)
+        kw["bias"] = np.full(
+            (p["hq"], total, keys) if p["group"] else (1, 1, p["lens_q"][0], keys), p.get("offset", -1e30), np.float32
+        )
     if p.get("scale") is not None:
         kw["scale"] = p["scale"]
     poison = p.get("poison", "none")
@@ -120,20 +142,54 @@ def _build(p):
 
 # Found by this test: split-KV gave each split entry its own copy of a
 # batch-broadcast bias, and the kernel was chosen for the broadcast shape.
-FOUND_SPLIT_BIAS = dict(dtype="f16", hq=4, hk=2, d=32, dv=32, page=1, lens_q=[1], lens_k=[2], offsets=None, group=False,
-                        kw={"mask_type": "none"}, feature="bias", splits=2, formulation="explicit", seed=0)
+FOUND_SPLIT_BIAS = dict(
+    dtype="f16",
+    hq=4,
+    hk=2,
+    d=32,
+    dv=32,
+    page=1,
+    lens_q=[1],
+    lens_k=[2],
+    offsets=None,
+    group=False,
+    kw={"mask_type": "none"},
+    feature="bias",
+    splits=2,
+    formulation="explicit",
+    seed=0,
+)
 
 
 # Found by this test: a NaN in the V of a key no row sees, in a page past
 # the causal diagonal, is NaN in the reference (0 x NaN) but never read by
 # the kernels (masked-block skipping).
-FOUND_MASKED_V_NAN = dict(dtype="f16", hq=4, hk=2, d=32, dv=32, page=1, lens_q=[1, 1], lens_k=[0, 7], offsets=None,
-                          group=False, kw={"mask_type": "top_left", "window_size_left": -1, "window_size_right": 0,
-                                           "sink_size": 0}, feature="none", splits=None, formulation="explicit",
-                          seed=0, scale=None, offset=None, poison="v_nan", alias=None)
+FOUND_MASKED_V_NAN = dict(
+    dtype="f16",
+    hq=4,
+    hk=2,
+    d=32,
+    dv=32,
+    page=1,
+    lens_q=[1, 1],
+    lens_k=[0, 7],
+    offsets=None,
+    group=False,
+    kw={"mask_type": "top_left", "window_size_left": -1, "window_size_right": 0, "sink_size": 0},
+    feature="none",
+    splits=None,
+    formulation="explicit",
+    seed=0,
+    scale=None,
+    offset=None,
+    poison="v_nan",
+    alias=None,
+)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(p=problems())
 @example(p=FOUND_SPLIT_BIAS)
 @example(p=FOUND_MASKED_V_NAN)
@@ -142,8 +198,14 @@ def test_random_problems_match_the_reference(explicit_session, online_session, p
     # in q's dtype (IREE folds scale * log2 e into q), so a scale of 1e-30
     # flushes f16 q to 0, and 0 x Inf in K is NaN where the reference, in
     # f64, sees +-Inf.
-    assume(not (p["formulation"] == "online" and p["dtype"] == "f16" and (p.get("scale") or 1.0) < 1e-4
-                and p.get("poison") in ("k_inf", "k_ninf")))
+    assume(
+        not (
+            p["formulation"] == "online"
+            and p["dtype"] == "f16"
+            and (p.get("scale") or 1.0) < 1e-4
+            and p.get("poison") in ("k_inf", "k_ninf")
+        )
+    )
     args, kw = _build(p)
     session = explicit_session if p["formulation"] == "explicit" else online_session
     if p.get("alias"):

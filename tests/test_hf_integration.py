@@ -27,9 +27,20 @@ def _llama(seed=0):
     too. initializer_range 0.2 instead of 0.02: with the default a random
     model repeats one token, which would hide most mistakes."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.set_attn_implementation("eager")
     return model, torch.randint(0, cfg.vocab_size, (2, PROMPT))
@@ -77,8 +88,8 @@ def _left_padded(seed, lens=(PROMPT, 13, 6), pad=7):
     ids = torch.randint(0, model.config.vocab_size, (len(lens), PROMPT))
     mask = torch.ones_like(ids)
     for b, n in enumerate(lens):
-        ids[b, :PROMPT - n] = pad
-        mask[b, :PROMPT - n] = 0
+        ids[b, : PROMPT - n] = pad
+        mask[b, : PROMPT - n] = 0
     assert (mask == 0).any(1).sum() >= 2, "no padded row: the test would prove nothing"
     return model, ids, mask
 
@@ -93,8 +104,9 @@ def test_left_padded_batch_matches_eager(explicit_session, counted, monkeypatch,
     through kv_offset (gappy KV), so every row generates what HF eager
     generates from the same input_ids and attention_mask."""
     model, ids, mask = _left_padded(seed=3)
-    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
-              return_dict_in_generate=True)
+    kw = dict(
+        attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     with torch.no_grad():
         ref = model.generate(ids, **kw)
         got = fmha_hf.generate(model, ids, session=explicit_session, device_pool=device_pool, **kw)
@@ -109,8 +121,9 @@ def test_left_padded_batch_matches_eager(explicit_session, counted, monkeypatch,
     # bound above.
     monkeypatch.setattr(fmha_hf, "left_padding", lambda *a: None)
     with torch.no_grad():
-        wrong = fmha_hf.generate(model, ids, session=explicit_session, device_pool=device_pool,
-                                 **dict(kw, max_new_tokens=2))
+        wrong = fmha_hf.generate(
+            model, ids, session=explicit_session, device_pool=device_pool, **dict(kw, max_new_tokens=2)
+        )
     assert _max_logit_diff(wrong, ref) > 0.1
 
 
@@ -139,9 +152,9 @@ def _teacher_forced(model, seq, cache=None):
     """Logits predicting seq[:, PROMPT:]: one forward over everything, or
     with a cache a prefill and then one decode step per token."""
     if cache is None:
-        return model(seq).logits[:, PROMPT - 1:-1]
+        return model(seq).logits[:, PROMPT - 1 : -1]
     steps = [model(seq[:, :PROMPT], past_key_values=cache).logits[:, -1:]]
-    steps += [model(seq[:, i:i + 1], past_key_values=cache).logits for i in range(PROMPT, seq.shape[1] - 1)]
+    steps += [model(seq[:, i : i + 1], past_key_values=cache).logits for i in range(PROMPT, seq.shape[1] - 1)]
     return torch.cat(steps, 1)
 
 
@@ -181,8 +194,10 @@ def test_device_pool_logits_bitwise_equal_host_pool(explicit_session, dtype):
         for device_pool in (False, True):
             cache = fmha_hf.PagedCache(session=explicit_session, device_pool=device_pool)
             steps = [low(seq[:, :PROMPT], attention_mask=full[:, :PROMPT], past_key_values=cache).logits]
-            steps += [low(seq[:, i:i + 1], attention_mask=full[:, :i + 1], past_key_values=cache).logits
-                      for i in range(PROMPT, seq.shape[1] - 1)]
+            steps += [
+                low(seq[:, i : i + 1], attention_mask=full[:, : i + 1], past_key_values=cache).logits
+                for i in range(PROMPT, seq.shape[1] - 1)
+            ]
             logits.append(torch.cat(steps, 1))
     assert logits[0].dtype == dtype and torch.isfinite(logits[0]).all()
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
@@ -202,8 +217,12 @@ def test_unsupported_masks_raise_before_running(explicit_session, counted):
     hole = mask.clone()
     hole[2, -4] = 0
     custom = torch.ones(ids.shape[0], 1, PROMPT, PROMPT, dtype=torch.bool).tril()
-    cases = [(right, NotImplementedError, "left padding only"), (hole, NotImplementedError, "row 2 is not"),
-             (custom, NotImplementedError, "custom mask"), (mask[:, 1:], ValueError, "attention_mask covers")]
+    cases = [
+        (right, NotImplementedError, "left padding only"),
+        (hole, NotImplementedError, "row 2 is not"),
+        (custom, NotImplementedError, "custom mask"),
+        (mask[:, 1:], ValueError, "attention_mask covers"),
+    ]
     with torch.no_grad():
         for m, exc, words in cases:
             cache = fmha_hf.PagedCache(session=explicit_session)
@@ -266,9 +285,14 @@ def test_cache_semantics_match_dynamic_cache(explicit_session, rng, device_pool)
     update(3, 5)
     for _ in range(7):
         update(3, 1)  # the pools grow past their first size
-    ops = [("reorder_cache", torch.tensor([1, 2, 0]), 3), ("reorder_cache", torch.tensor([2, 0, 0]), 3),
-           ("batch_select_indices", torch.tensor([1, 2]), 2), ("batch_repeat_interleave", 2, 4), ("crop", -3, 4),
-           ("crop", 0, 4)]
+    ops = [
+        ("reorder_cache", torch.tensor([1, 2, 0]), 3),
+        ("reorder_cache", torch.tensor([2, 0, 0]), 3),
+        ("batch_select_indices", torch.tensor([1, 2]), 2),
+        ("batch_repeat_interleave", 2, 4),
+        ("crop", -3, 4),
+        ("crop", 0, 4),
+    ]
     for i, (op, arg, batch) in enumerate(ops):
         getattr(paged, op)(arg)
         getattr(dense, op)(arg)

@@ -14,20 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import make_problem
 
 import turbine_fmha
-from conftest import make_problem
 from turbine_fmha.core.arrays import _Results
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 from turbine_fmha.runtime.invoke import _Loaded
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 SHAPE = dict(dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 5], nhead_q=4, nhead_k=2, hdim=64, page=16)
 
 
 def _planned(session, rng):
     q, k, v, bt, sk = make_problem(rng, **SHAPE)
-    attn = turbine_fmha.PagedAttention(session).plan(bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4,
-                                                     nhead_k=2, hdim=64, dtype="f16")
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16"
+    )
     ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
     return attn, (q, k, v), ref
 
@@ -76,7 +77,7 @@ def test_failed_call_leaves_the_next_one_working(explicit_session, rng):
     variant, args = _args(attn, q, k, v)
     loaded = explicit_session._load(variant)
     good = loaded.invoke(args, 2)[0].to_host()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever IREE's VM raises
         loaded.invoke(args[:-1], 2)  # an argument short: the VM refuses the call
     np.testing.assert_array_equal(loaded.invoke(args, 2)[0].to_host(), good)
     np.testing.assert_array_equal(attn.run(q, k, v), good)
@@ -102,7 +103,7 @@ def test_queued_calls_are_waited_for_when_a_later_one_fails(explicit_session, rn
     waited = []
     wait = turbine_fmha.runtime.invoke._Call.wait
     monkeypatch.setattr(turbine_fmha.runtime.invoke._Call, "wait", lambda self: (wait(self), waited.append(self)))
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever IREE's VM raises
         explicit_session.run_variants(variant, [args, args, args[:-1]])  # the third is refused by the VM
     assert len(waited) == 2
     monkeypatch.undo()
@@ -119,8 +120,9 @@ def test_gpu_wait_through_the_host_flag(explicit_session, rng, monkeypatch):
     late copy cannot set the flag during the next wait."""
     import turbine_fmha.runtime.invoke as invoke
 
-    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64,
-                        page=16)
+    prob = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     want = turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session)
     variant = explicit_session.last_variant
     loaded = explicit_session._load(variant)

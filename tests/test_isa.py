@@ -34,8 +34,16 @@ def test_main_loop_is_the_innermost_region_with_the_most_mfma():
     loop = main_loop(ASM)
     # .LBB0_2 .. s_cbranch_scc1: the outer region has the same 2 MFMA and
     # more instructions; the forward branch to .LBB0_3 closes no loop.
-    assert loop == dict(instructions=9, mfma=2, mfma_ops=["v_mfma_f32_16x16x16_f16"], valu=2, salu=1,
-                        lds_reads=2, lds_writes=1, global_loads=1)
+    assert loop == dict(
+        instructions=9,
+        mfma=2,
+        mfma_ops=["v_mfma_f32_16x16x16_f16"],
+        valu=2,
+        salu=1,
+        lds_reads=2,
+        lds_writes=1,
+        global_loads=1,
+    )
 
 
 def test_no_loop():

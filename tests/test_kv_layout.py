@@ -16,17 +16,16 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
-
-import turbine_fmha
 from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem
 from test_modes import _check, _group_problem
 from test_runtime_heads import _features
-from turbine_fmha.build import aot as tfb
+
+import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+from turbine_fmha.build import aot as tfb
 from turbine_fmha.kernels.append_kernel import AppendKernel
 from turbine_fmha.kernels.variants import Variant, online_variant
-from test_validation import trap  # noqa: F401 (fixture)
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 def _built(name: str, variants: list[Variant], **kw) -> turbine_fmha.Session:
@@ -47,8 +46,9 @@ def check_hnd(session, problem, *, dtype, v_col=False, **kw):
     vk = np.ascontiguousarray(v.transpose(0, 2, 3, 1)) if v_col else hnd(v)
     out = np.full(q.shape[:-1] + (v.shape[-1],), np.nan, q.dtype)
     kw_run = dict(kw, v_layout="col") if v_col else kw
-    got, lse = turbine_fmha.fmha_fwd_paged(q, hnd(k), vk, bt, sk, kv_layout="HND", out=out, return_lse=True,
-                                           session=session, **kw_run)
+    got, lse = turbine_fmha.fmha_fwd_paged(
+        q, hnd(k), vk, bt, sk, kv_layout="HND", out=out, return_lse=True, session=session, **kw_run
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **{n: x for n, x in kw.items() if n != "num_splits"})
     assert got is out
     scale = max(np.abs(ref).max(), 1e-30)
@@ -73,8 +73,9 @@ def test_names():
 
 
 def test_reference_reads_hnd(rng):
-    q, k, v, bt, sk = make_problem(rng, dtype="f32", batch=2, seqlen_q=3, seqlens_k=[20, 33], nhead_q=4,
-                                   nhead_k=2, hdim=16, page=8)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f32", batch=2, seqlen_q=3, seqlens_k=[20, 33], nhead_q=4, nhead_k=2, hdim=16, page=8
+    )
     want = fmha_fwd_paged_ref(q, k, v, bt, sk, mask_type="bottom_right")
     got = fmha_fwd_paged_ref(q, hnd(k), hnd(v), bt, sk, mask_type="bottom_right", kv_layout="HND")
     for a, b in zip(want, got):
@@ -96,15 +97,18 @@ def test_hnd_matches_reference(rng, formulation, heads):
     plain = [Variant("f16", 64, 64, hq, hk, 16, m, kv_layout="HND") for m in ("none", "bottom_right")]
     if formulation == "online":
         rows = dict(group_rows=16) if heads == "any" else {}
-        plain = [online_variant(plain[0].problem, 8, 1, **rows),
-                 online_variant(plain[1].problem, 1, 16, **(dict(group_rows=128) if heads == "any" else {}))]
+        plain = [
+            online_variant(plain[0].problem, 8, 1, **rows),
+            online_variant(plain[1].problem, 1, 16, **(dict(group_rows=128) if heads == "any" else {})),
+        ]
     session = _built(f"{formulation}-{heads}", plain, formulation=formulation)
     for nq, nk in configs:
         for sq, kw in ((1, {}), (21, dict(mask_type="bottom_right"))):
             # Gappy KV: sequence b's keys start at table position offset[b].
             offset = np.array([0, 5, 16], np.int32)
-            *p, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=sq, seqlens_k=[0, 45, 93], nhead_q=nq,
-                                  nhead_k=nk, hdim=64, page=16)
+            *p, sk = make_problem(
+                rng, dtype="f16", batch=3, seqlen_q=sq, seqlens_k=[0, 45, 93], nhead_q=nq, nhead_k=nk, hdim=64, page=16
+            )
             check_hnd(session, (*p, sk - offset), dtype="f16", kv_offset=offset, **kw)
             assert session.last_variant.kv_layout == "HND"
 
@@ -117,11 +121,11 @@ def test_group_mode_and_split_kv_over_hnd(rng, formulation, explicit_session, on
     session = explicit_session if formulation == "explicit" else online_session
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", [1, 37, 0, 1, 12], [40, 90, 17, 0, 33])
     kw = dict(mask_type="bottom_right", window_size_right=0)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, hnd(k), hnd(v), bt, sk, seqstart_q=seqstart, kv_layout="HND",
-                                          return_lse=True, session=session, **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, hnd(k), hnd(v), bt, sk, seqstart_q=seqstart, kv_layout="HND", return_lse=True, session=session, **kw
+    )
     _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, **kw), "f16")
-    p = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[700, 90], nhead_q=8, nhead_k=2, hdim=64,
-                     page=16)
+    p = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[700, 90], nhead_q=8, nhead_k=2, hdim=64, page=16)
     check_hnd(session, p, dtype="f16", num_splits=3)
 
 
@@ -135,8 +139,9 @@ def test_features_over_hnd(rng, formulation, feature):
     if formulation == "online":
         v = online_variant(v.problem, 1, 16)
     session = _built(f"{formulation}-{feature}", [v], formulation=formulation)
-    p = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[30, 80, 7], nhead_q=8, nhead_k=2,
-                     hdim=64, page=16)
+    p = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[30, 80, 7], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     check_hnd(session, p, dtype="f16", mask_type="bottom_right", **kw)
     assert session.last_variant == v
 
@@ -149,8 +154,9 @@ def test_column_major_v_and_fp8_over_hnd(rng, formulation):
     if formulation == "online":
         col, f8 = online_variant(col.problem, 8, 1), online_variant(f8.problem, 8, 1)
     session = _built(f"{formulation}-col-fp8", [col, f8], formulation=formulation)
-    p = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[30, 80, 7], nhead_q=8, nhead_k=2,
-                     hdim=64, page=16)
+    p = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[30, 80, 7], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     check_hnd(session, p, dtype="f16", v_col=True)
     assert session.last_variant == col
     q, k, v, bt, sk = p
@@ -167,10 +173,14 @@ def test_merged_decode_and_stale_rows_over_hnd(rng):
     p = Variant("f16", 64, 64, 0, 0, 16, kv_layout="HND").problem
     merged = online_variant(p, 8, 1, group_rows=16, merge_splits=4)
     guarded = online_variant(p, 8, 1, group_rows=16)
-    session = _built("online-merged", [merged, dataclasses.replace(merged, v_guard=False), guarded,
-                                       dataclasses.replace(guarded, v_guard=False)], formulation="online")
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[300, 77], nhead_q=8,
-                                   nhead_k=2, hdim=64, page=16)
+    session = _built(
+        "online-merged",
+        [merged, dataclasses.replace(merged, v_guard=False), guarded, dataclasses.replace(guarded, v_guard=False)],
+        formulation="online",
+    )
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[300, 77], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     check_hnd(session, (q, k, v, bt, sk), dtype="f16", num_splits=4)
     assert session.last_variant.merge_splits == 4 and not session.last_variant.v_guard
     # Sequence 1's last page holds keys 64-76: row 13 on is stale. Head 1,
@@ -183,8 +193,10 @@ def test_merged_decode_and_stale_rows_over_hnd(rng):
 
 def test_hnd_caches_written_by_reshape_and_cache(rng):
     """reshape_and_cache(kv_layout="HND") then attention over the same caches."""
-    session = _built("append-hnd", [Variant("f16", 64, 64, 0, 0, 16, "bottom_right", kv_layout="HND"),
-                                    AppendKernel("f16", 1, 64, 64, 16)])
+    session = _built(
+        "append-hnd",
+        [Variant("f16", 64, 64, 0, 0, 16, "bottom_right", kv_layout="HND"), AppendKernel("f16", 1, 64, 64, 16)],
+    )
     num_pages, hk, hq = 12, 2, 6
     kc, vc = (aligned_zeros((num_pages, hk, 16, 64), np.float16) for _ in range(2))
     kc[...] = vc[...] = np.nan  # rows never written must never be read
@@ -196,8 +208,7 @@ def test_hnd_caches_written_by_reshape_and_cache(rng):
     turbine_fmha.reshape_and_cache(k_new, v_new, kc, vc, slots, kv_layout="HND", session=session)
     q = rng.standard_normal((2, 4, hq, 64)).astype(np.float16)
     sk = np.array(tokens, np.int32)
-    out = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, kv_layout="HND", mask_type="bottom_right",
-                                      session=session)
+    out = turbine_fmha.fmha_fwd_paged(q, kc, vc, bt, sk, kv_layout="HND", mask_type="bottom_right", session=session)
     k_nhd = np.zeros((num_pages, 16, hk, 64), np.float16)
     v_nhd = k_nhd.copy()
     k_nhd.reshape(-1, hk, 64)[slots], v_nhd.reshape(-1, hk, 64)[slots] = k_new, v_new
@@ -207,12 +218,15 @@ def test_hnd_caches_written_by_reshape_and_cache(rng):
 
 def test_planned_hnd(rng):
     """PagedAttention.plan(kv_layout="HND"), and the torch op's result shapes."""
-    session = _built("explicit-any", [Variant("f16", 64, 64, 0, 0, 16, m, kv_layout="HND")
-                                      for m in ("none", "bottom_right")])
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[5, 40, 77], nhead_q=4,
-                                   nhead_k=2, hdim=64, page=16)
-    attn = turbine_fmha.PagedAttention(session).plan(bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4,
-                                                     nhead_k=2, hdim=64, kv_layout="HND")
+    session = _built(
+        "explicit-any", [Variant("f16", 64, 64, 0, 0, 16, m, kv_layout="HND") for m in ("none", "bottom_right")]
+    )
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[5, 40, 77], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, kv_layout="HND"
+    )
     ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
     got = attn.run(q, hnd(k), hnd(v))
     assert np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max() <= OUT_TOL["f16"]
@@ -225,15 +239,19 @@ def test_planned_hnd(rng):
     assert result_shapes(tq, tk, tv, kv_layout="HND") == ((3, 1, 4, 64), (3, 4, 1))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(kv_layout="hnd"), "kv_layout"),
-    (dict(kv_layout="HND", v_nhd=True), "v_cache"),
-    (dict(kv_layout="HND", k_hdim=32), "k_cache head dim"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(kv_layout="hnd"), "kv_layout"),
+        (dict(kv_layout="HND", v_nhd=True), "v_cache"),
+        (dict(kv_layout="HND", k_hdim=32), "k_cache head dim"),
+    ],
+)
 def test_bad_layouts_refused(trap, rng, kw, match):
     """Refused before any kernel is selected or run (test_validation's trap)."""
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[5, 40], nhead_q=4,
-                                   nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[5, 40], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     kw = dict(kw)
     kc, vc = hnd(k), (v if kw.pop("v_nhd", False) else hnd(v))
     if kw.pop("k_hdim", None):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from turbine_fmha.api.cache import aligned_zeros
 from turbine_fmha import reshape_and_cache
+from turbine_fmha.api.cache import aligned_zeros
 from turbine_fmha.kernels.append_kernel import AppendKernel
 from turbine_fmha.kernels.variants import parse_kernel
 
@@ -43,7 +43,7 @@ def _garbage(rng, shape, dt) -> np.ndarray:
     touches must keep exactly these bits."""
     c = aligned_zeros(shape, dt)
     c[...] = rng.standard_normal(shape).astype(np.float32).astype(dt)
-    c.reshape(-1)[:: 7] = np.nan
+    c.reshape(-1)[::7] = np.nan
     return c
 
 
@@ -81,15 +81,18 @@ def _expected(cache: np.ndarray, layout: str, rows: np.ndarray, slots: np.ndarra
     return want
 
 
-@pytest.mark.parametrize("dtype, layout, kind, form", [
-    ("float16", "NHD", "numpy", "flat"),
-    ("bfloat16", "HND", "torch", "batch"),
-    ("float32", "HND", "numpy", "batch"),
-    ("bfloat16", "NHD", "torch", "flat"),
-    ("float8_e4m3fn", "NHD", "torch", "batch"),
-    ("float8_e5m2", "HND", "numpy", "flat"),
-    ("float16", "HND", "device", "flat"),
-])
+@pytest.mark.parametrize(
+    "dtype, layout, kind, form",
+    [
+        ("float16", "NHD", "numpy", "flat"),
+        ("bfloat16", "HND", "torch", "batch"),
+        ("float32", "HND", "numpy", "batch"),
+        ("bfloat16", "NHD", "torch", "flat"),
+        ("float8_e4m3fn", "NHD", "torch", "batch"),
+        ("float8_e5m2", "HND", "numpy", "flat"),
+        ("float16", "HND", "device", "flat"),
+    ],
+)
 def test_rows_land_in_the_callers_caches(explicit_session, rng, dtype, layout, kind, form):
     import iree.runtime as rt
 
@@ -122,8 +125,7 @@ def _rope(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, inte
     x = x.astype(np.float64)
     c, s = cos[pos][:, None, :].astype(np.float64), sin[pos][:, None, :].astype(np.float64)
     rh = cos.shape[1]
-    first, second = (slice(0, 2 * rh, 2), slice(1, 2 * rh, 2)) if interleaved else \
-        (slice(0, rh), slice(rh, 2 * rh))
+    first, second = (slice(0, 2 * rh, 2), slice(1, 2 * rh, 2)) if interleaved else (slice(0, rh), slice(rh, 2 * rh))
     a, b = x[..., first], x[..., second]
     out, scale = x.copy(), np.zeros_like(x)
     out[..., first], out[..., second] = a * c - b * s, b * c + a * s
@@ -147,12 +149,15 @@ def _check_rotated(got, x, pos, cos, sin, interleaved, dtype, what):
     np.testing.assert_array_equal(_bits(got[..., rd:]), _bits(x[..., rd:]), err_msg=f"{what} past rotary_dim")
 
 
-@pytest.mark.parametrize("dtype, mode, layout, form, has_mask, tables", [
-    ("float16", "half", "NHD", "batch", True, "float32"),
-    ("bfloat16", "interleaved", "HND", "flat", False, "float32"),
-    ("float32", "half", "HND", "flat", True, "float32"),
-    ("float16", "interleaved", "NHD", "batch", False, "float16"),
-])
+@pytest.mark.parametrize(
+    "dtype, mode, layout, form, has_mask, tables",
+    [
+        ("float16", "half", "NHD", "batch", True, "float32"),
+        ("bfloat16", "interleaved", "HND", "flat", False, "float32"),
+        ("float32", "half", "HND", "flat", True, "float32"),
+        ("float16", "interleaved", "NHD", "batch", False, "float16"),
+    ],
+)
 def test_rotary_as_ck_tile_appendkv(explicit_session, rng, dtype, mode, layout, form, has_mask, tables):
     dt, interleaved = _dt(dtype), mode == "interleaved"
     seqlen_k = rng.integers(0, 12, 3)
@@ -177,9 +182,23 @@ def test_rotary_as_ck_tile_appendkv(explicit_session, rng, dtype, mode, layout, 
     q = rng.standard_normal(q_lead + (4, D)).astype(dt)
     q_given = q.copy()
     slots = _slots(rng, lead)
-    q_out = reshape_and_cache(k, v, kc, vc, slots, kv_layout=layout, q=q, rotary_cos=cos, rotary_sin=sin,
-                              rotary_dim=12, rotary_interleaved=interleaved, seqlen_k=seqlen_k.astype(np.int32),
-                              has_mask=has_mask, session=explicit_session, **kw)
+    q_out = reshape_and_cache(
+        k,
+        v,
+        kc,
+        vc,
+        slots,
+        kv_layout=layout,
+        q=q,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        rotary_dim=12,
+        rotary_interleaved=interleaved,
+        seqlen_k=seqlen_k.astype(np.int32),
+        has_mask=has_mask,
+        session=explicit_session,
+        **kw,
+    )
     flat, k_rows = slots.reshape(-1), k.reshape(-1, HK, D)
     kept = np.flatnonzero(flat >= 0)
     got_k = np.stack([_written(kc, layout, s) for s in flat[kept]])
@@ -205,12 +224,20 @@ def test_rotary_of_q_alone_and_torch_q(explicit_session, rng):
     q = rng.standard_normal((2, 1, 4, D)).astype(np.float16)
     k = rng.standard_normal((2, 1, HK, D)).astype(np.float16)
     v = rng.standard_normal((2, 1, HK, DV)).astype(np.float16)
-    out = reshape_and_cache(_to_torch(k), _to_torch(v), kc, vc, torch.full((2, 1), -1), q=_to_torch(q),
-                            rotary_cos=torch.from_numpy(cos), rotary_sin=torch.from_numpy(sin),
-                            seqlen_k=torch.tensor([8, 3]), session=explicit_session)
+    out = reshape_and_cache(
+        _to_torch(k),
+        _to_torch(v),
+        kc,
+        vc,
+        torch.full((2, 1), -1),
+        q=_to_torch(q),
+        rotary_cos=torch.from_numpy(cos),
+        rotary_sin=torch.from_numpy(sin),
+        seqlen_k=torch.tensor([8, 3]),
+        session=explicit_session,
+    )
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float16 and tuple(out.shape) == q.shape
-    _check_rotated(out.numpy().reshape(2, 4, D), q.reshape(2, 4, D), np.array([8, 3]), cos, sin, False,
-                   "float16", "q")
+    _check_rotated(out.numpy().reshape(2, 4, D), q.reshape(2, 4, D), np.array([8, 3]), cos, sin, False, "float16", "q")
     np.testing.assert_array_equal(_bits(_from_torch(kc, np.dtype(np.float16))), _bits(kc0))
     np.testing.assert_array_equal(_bits(_from_torch(vc, np.dtype(np.float16))), _bits(vc0))
 
@@ -238,29 +265,43 @@ def test_invalid_writes_change_nothing(explicit_session, rng):
         (ValueError, r"^slot_mapping\[1\] = 24 is neither", dict(slot_mapping=np.array([0, NP * PG, 1]))),
         (ValueError, r"^slot_mapping\[2\] = -2", dict(slot_mapping=np.array([0, 1, -2]))),
         # Unsigned slots are checked as given: 2**64 - 1 is no -1 (skip).
-        (ValueError, r"^slot_mapping\[1\] = 18446744073709551615 is out of range",
-         dict(slot_mapping=np.array([0, 2**64 - 1, 1], np.uint64))),
+        (
+            ValueError,
+            r"^slot_mapping\[1\] = 18446744073709551615 is out of range",
+            dict(slot_mapping=np.array([0, 2**64 - 1, 1], np.uint64)),
+        ),
         (ValueError, r"^slot_mapping\[0\] = 24 is neither", dict(slot_mapping=np.array([NP * PG, 0, 1], np.uint64))),
-        (ValueError, r"^slot_mapping\[2\] = 4294967295 is neither",
-         dict(slot_mapping=np.array([0, 1, 2**32 - 1], np.uint32))),
+        (
+            ValueError,
+            r"^slot_mapping\[2\] = 4294967295 is neither",
+            dict(slot_mapping=np.array([0, 1, 2**32 - 1], np.uint32)),
+        ),
         (ValueError, "^slot_mapping writes slot 5 twice", dict(slot_mapping=np.array([5, -1, 5]))),
         (TypeError, "^slot_mapping must be an integer", dict(slot_mapping=slots.astype(np.float32))),
         (ValueError, "^kv_layout", dict(kv_layout="NDH")),
         (ValueError, "^k_cache must be writeable, C-contiguous and 64-byte aligned", dict(k_cache=unaligned)),
         # A CPU torch view at an offset is not 64-byte aligned either.
-        (ValueError, "^v_cache must be writeable, C-contiguous and 64-byte aligned",
-         dict(v_cache=torch.from_numpy(np.empty(vc.size + 1, np.float16)[1:].reshape(vc.shape)))),
+        (
+            ValueError,
+            "^v_cache must be writeable, C-contiguous and 64-byte aligned",
+            dict(v_cache=torch.from_numpy(np.empty(vc.size + 1, np.float16)[1:].reshape(vc.shape))),
+        ),
         (ValueError, "^k_cache must be writeable", dict(k_cache=readonly)),
         (ValueError, "^v_cache must match", dict(v_cache=aligned_zeros((NP, PG, HK + 1, DV), np.float16))),
         (ValueError, "^k_cache overlaps k ", dict(k=kc[0, :3])),
         (ValueError, "^k_cache overlaps v_cache", dict(v_cache=kc, v=k)),
         (ValueError, "^rotary_sin is missing", dict(rotary_cos=cos, seqlen_k=np.array([1]))),
-        (ValueError, "^rotary_cos: the rotary embedding needs", dict(rot, k_cache=e4m3[0], v_cache=e4m3[1],
-                                                                    k=k.astype(e4m3[0].dtype),
-                                                                    v=v.astype(e4m3[0].dtype))),
+        (
+            ValueError,
+            "^rotary_cos: the rotary embedding needs",
+            dict(rot, k_cache=e4m3[0], v_cache=e4m3[1], k=k.astype(e4m3[0].dtype), v=v.astype(e4m3[0].dtype)),
+        ),
         (ValueError, "^rotary_dim = 6, but", dict(rot, rotary_dim=6)),
-        (ValueError, "^rotary_dim = 32", dict(rot, rotary_cos=np.ones((8, 16), np.float32),
-                                              rotary_sin=np.ones((8, 16), np.float32))),
+        (
+            ValueError,
+            "^rotary_dim = 32",
+            dict(rot, rotary_cos=np.ones((8, 16), np.float32), rotary_sin=np.ones((8, 16), np.float32)),
+        ),
         (TypeError, "^rotary_sin must be float16", dict(rot, rotary_sin=sin.astype(np.float64))),
         (ValueError, "^rotary_cos has 8 rows", dict(rot, seqlen_k=np.array([7]))),  # token 1 at 8
         (ValueError, "^seqlen_k is needed", dict(rot, seqlen_k=None)),
@@ -296,8 +337,12 @@ def test_rotated_q_outlives_later_calls(explicit_session, rng):
     kc, vc = _garbage(rng, (NP, PG, HK, D), np.float16), _garbage(rng, (NP, PG, HK, D), np.float16)
     k = rng.standard_normal((2, HK, D)).astype(np.float16)
     theta = rng.uniform(0, 2 * np.pi, (8, 4))
-    rot = dict(rotary_cos=np.cos(theta).astype(np.float32), rotary_sin=np.sin(theta).astype(np.float32),
-               seqlen_k=np.array([1]), seqstart=np.array([0, 2]))
+    rot = dict(
+        rotary_cos=np.cos(theta).astype(np.float32),
+        rotary_sin=np.sin(theta).astype(np.float32),
+        seqlen_k=np.array([1]),
+        seqstart=np.array([0, 2]),
+    )
     kept = []
     for kind in ("numpy", "torch", "numpy", "torch"):
         q = rng.standard_normal((2, 4, D)).astype(np.float16)

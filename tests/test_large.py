@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_modes import _check
 
 import turbine_fmha
-from test_modes import _check
 from turbine_fmha.api.cache import aligned_zeros
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -27,7 +27,8 @@ def test_pool_past_2_pow_31_elements(explicit_session, rng):
     v[used] = rng.standard_normal(used.shape + (page, hk, dv)).astype(np.float16)
     sk = np.array([30, 25], np.int32)
     q = rng.standard_normal((2, 3, hk, d)).astype(np.float16)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, used, sk, mask_type="bottom_right", return_lse=True,
-                                          session=explicit_session)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, used, sk, mask_type="bottom_right", return_lse=True, session=explicit_session
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, used, sk, mask_type="bottom_right")
     _check(out, lse, ref, ref_lse, "f16")

@@ -38,8 +38,9 @@ def _imports(name: str, path: Path):
     modules in `name`, and the absolute names of its other imports."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     tree = ast.parse(path.read_text())
-    top = {id(n) for n in tree.body} | {id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try))
-                                        for c in ast.walk(n)}
+    top = {id(n) for n in tree.body} | {
+        id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try)) for c in ast.walk(n)
+    }
     ours, others = [], []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -82,9 +83,16 @@ def test_imports_point_down():
 
 
 def test_no_import_circles():
-    graph = {name: {t for t, _ in _imports(name, path)[0] if t in MODULES and t != name
-                    and not (MODULES[t].name == "__init__.py" and name.startswith(t + ".") or t == "")}
-             for name, path in MODULES.items()}
+    graph = {
+        name: {
+            t
+            for t, _ in _imports(name, path)[0]
+            if t in MODULES
+            and t != name
+            and not (MODULES[t].name == "__init__.py" and name.startswith(t + ".") or t == "")
+        }
+        for name, path in MODULES.items()
+    }
 
     def reach(start):
         seen, todo = set(), [start]
@@ -103,8 +111,12 @@ def test_heavy_imports_only_where_allowed():
     found = []
     for name, path in MODULES.items():
         for module, at_top in _imports(name, path)[1]:
-            if at_top and module.split(".")[0] in {h.split(".")[0] for h in HEAVY} and name not in HEAVY_ALLOWED \
-                    and any(module == h or module.startswith(h + ".") for h in HEAVY):
+            if (
+                at_top
+                and module.split(".")[0] in {h.split(".")[0] for h in HEAVY}
+                and name not in HEAVY_ALLOWED
+                and any(module == h or module.startswith(h + ".") for h in HEAVY)
+            ):
                 found.append(f"{name}: import {module}")
     assert not found, "module-level imports of the build extra, torch or transformers:\n" + "\n".join(found)
 

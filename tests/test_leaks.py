@@ -10,9 +10,9 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import make_problem
 
 import turbine_fmha
-from conftest import make_problem
 
 
 def _rss_mb() -> float:
@@ -22,8 +22,20 @@ def _rss_mb() -> float:
 
 @pytest.mark.heavy
 def test_ten_thousand_calls_flat_memory(explicit_session, rng):
-    probs = [make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[int(rng.integers(1, 64)) for _ in range(2)],
-                          nhead_q=4, nhead_k=2, hdim=64, page=16) for _ in range(4)]
+    probs = [
+        make_problem(
+            rng,
+            dtype="f16",
+            batch=2,
+            seqlen_q=1,
+            seqlens_k=[int(rng.integers(1, 64)) for _ in range(2)],
+            nhead_q=4,
+            nhead_k=2,
+            hdim=64,
+            page=16,
+        )
+        for _ in range(4)
+    ]
     want = [turbine_fmha.fmha_fwd_paged(*p, session=explicit_session) for p in probs]
     for _ in range(300):  # warm up: loaded modules, thread contexts, allocator pools
         for p in probs:

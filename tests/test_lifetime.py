@@ -15,12 +15,11 @@ import subprocess
 import sys
 import textwrap
 import weakref
-from pathlib import Path
 
 import numpy as np
+from conftest import CACHE
 
 import turbine_fmha
-from conftest import CACHE
 
 _SCRIPT = textwrap.dedent(
     """
@@ -67,9 +66,12 @@ def test_strided_caches_copied_copies_outlive_the_kernel(rng, tmp_path):
     script = tmp_path / "lifetime.py"
     script.write_text(_SCRIPT)
     seed = int(rng.integers(2**31))
-    proc = subprocess.run([sys.executable, str(script), str(CACHE), str(seed)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode} (-11: SIGSEGV, a kernel read a freed copy)\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(CACHE), str(seed)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode} (-11: SIGSEGV, a kernel read a freed copy)\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    )
     errs = dict(line.split() for line in proc.stdout.splitlines())
     assert set(errs) == {"f16", "f32", "bf16", "torch_f16_hnd"}, proc.stdout
     # One rounding of P and of the output in the cache's dtype (conftest's OUT_TOL).
@@ -102,7 +104,6 @@ def test_torch_results_outlive_the_kernel_buffers(explicit_session, rng):
     import gc
 
     import torch
-
     from conftest import make_problem
 
     p = make_problem(rng, dtype="f32", batch=2, seqlen_q=5, seqlens_k=[40, 17], nhead_q=4, nhead_k=2, hdim=64, page=16)
@@ -111,6 +112,10 @@ def test_torch_results_outlive_the_kernel_buffers(explicit_session, rng):
     keep = out.clone(), lse.clone()
     gc.collect()
     for _ in range(5):
-        turbine_fmha.fmha_fwd_paged(torch.from_numpy(rng.standard_normal(p[0].shape).astype(np.float32)), *p[1:],
-                                    session=explicit_session, return_lse=True)
+        turbine_fmha.fmha_fwd_paged(
+            torch.from_numpy(rng.standard_normal(p[0].shape).astype(np.float32)),
+            *p[1:],
+            session=explicit_session,
+            return_lse=True,
+        )
     assert torch.equal(out, keep[0]) and torch.equal(lse, keep[1])

@@ -10,24 +10,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import turbine_fmha
 from conftest import CACHE, make_problem
 from test_modes import _check
+
+import turbine_fmha
 from turbine_fmha.build import aot as tfb
 from turbine_fmha.calls.plan import merged_decode_splits
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 from turbine_fmha.kernels.variants import Variant, online_variant
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 def _session(**kw):
-    return turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
-                                formulation="online", **kw)
+    return turbine_fmha.Session(
+        "cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none", formulation="online", **kw
+    )
 
 
 def _problem(rng, dtype, seqlens_k):
-    return make_problem(rng, dtype=dtype, batch=len(seqlens_k), seqlen_q=1, seqlens_k=seqlens_k, nhead_q=8,
-                        nhead_k=2, hdim=64, page=16)
+    return make_problem(
+        rng, dtype=dtype, batch=len(seqlens_k), seqlen_q=1, seqlens_k=seqlens_k, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
 
 
 CASES = {
@@ -35,9 +37,11 @@ CASES = {
     # other splits of it see nothing and must weigh nothing).
     "plain": dict(dtype="f16", lens=[1500, 0, 37], kw={}),
     # Sinks join the merged denominator once; a window masks whole splits.
-    "sinks_window_softcap": dict(dtype="bf16", lens=[1100, 700, 300],
-                                 kw=dict(mask_type="bottom_right", window_size_left=250, window_size_right=0,
-                                         logits_soft_cap=20.0, sinks=True)),
+    "sinks_window_softcap": dict(
+        dtype="bf16",
+        lens=[1100, 700, 300],
+        kw=dict(mask_type="bottom_right", window_size_left=250, window_size_right=0, logits_soft_cap=20.0, sinks=True),
+    ),
 }
 
 
@@ -50,8 +54,7 @@ def test_merged_splits_match_reference(rng, case):
     if kw.pop("sinks", False):
         kw["sinks"] = rng.uniform(-1, 2, q.shape[2]).astype(np.float32)
     out = np.full(q.shape, np.nan, q.dtype)  # poisoned: every element must be written
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, out=out, return_lse=True,
-                                           session=s, **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, out=out, return_lse=True, session=s, **kw)
     assert s.last_variant.merge_splits == 4
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
     _check(out, lse, ref, ref_lse, c["dtype"])
@@ -142,9 +145,11 @@ def test_merge_splits_field():
     p = Variant("f16", 128, 128, 32, 8, 16, "none").problem
     v = online_variant(p, 128, 1, merge_splits=4)
     assert v.name.endswith("_m16_x4") and Variant.parse(v.name) == v
-    for bad in (dict(formulation="explicit", merge_splits=2),
-                dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_splits=3),
-                dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_splits=1)):
+    for bad in (
+        dict(formulation="explicit", merge_splits=2),
+        dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_splits=3),
+        dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_splits=1),
+    ):
         with pytest.raises(ValueError, match="merge_splits"):
             Variant(**p, **bad)
 
@@ -160,8 +165,17 @@ def test_decode_selection_prefers_one_launch(tmp_path):
     p = Variant("f16", 128, 128, 32, 8, 16, "none").problem
     kernels = [online_variant(p, t, 1) for t in (8, 64)] + [online_variant(p, 1, q) for q in (128, 4096)]
     kernels += [online_variant(p, t, 1, merge_splits=8) for t in (32, 128)]
-    entries = [dict(variant=k.name, target="cuda", path=f"cuda/{k.name}.vmfb", sha256="0" * 64,
-                    compiler_version="3.13.0", kernel_abi=KERNEL_ABI) for k in kernels]
+    entries = [
+        dict(
+            variant=k.name,
+            target="cuda",
+            path=f"cuda/{k.name}.vmfb",
+            sha256="0" * 64,
+            compiler_version="3.13.0",
+            kernel_abi=KERNEL_ABI,
+        )
+        for k in kernels
+    ]
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
     assert s.select(p, 1, 40).batch_tile == 64  # not 5 launches of 8
@@ -178,18 +192,29 @@ def test_causal_prefill_skips_masked_blocks_in_1024_row_chunks(tmp_path):
     the least padding."""
     import json
 
-    from turbine_fmha.runtime.selection import prefill_tile_cost
     from turbine_fmha.kernels.signature import KERNEL_ABI
+    from turbine_fmha.runtime.selection import prefill_tile_cost
 
     p = Variant("f16", 128, 128, 32, 8, 16, "bottom_right").problem
     kernels = [online_variant(p, 1, q) for q in (128, 1024, 4096)]
-    entries = [dict(variant=k.name, target="cuda", path=f"cuda/{k.name}.vmfb", sha256="0" * 64,
-                    compiler_version="3.13.0", kernel_abi=KERNEL_ABI) for k in kernels]
+    entries = [
+        dict(
+            variant=k.name,
+            target="cuda",
+            path=f"cuda/{k.name}.vmfb",
+            sha256="0" * 64,
+            compiler_version="3.13.0",
+            kernel_abi=KERNEL_ABI,
+        )
+        for k in kernels
+    ]
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
     s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
     assert s.select(p, 4096, 1, skips_masked=True).seqlen_q_tile == 1024
     assert s.select(p, 4096, 1).seqlen_q_tile == 4096  # every block computed: one launch
     assert s.select(p, 150, 1, skips_masked=True).seqlen_q_tile == 128  # least padding first
     # The model: 4096 rows in four chunks compute 10/16 of the elements.
-    assert prefill_tile_cost(4096, 1024) - prefill_tile_cost(4096, 4096) == \
-        1024 * (1024 + 2048 + 3072 + 4096) - 4096 * 4096 + 3 * 1_400_000
+    assert (
+        prefill_tile_cost(4096, 1024) - prefill_tile_cost(4096, 4096)
+        == 1024 * (1024 + 2048 + 3072 + 4096) - 4096 * 4096 + 3 * 1_400_000
+    )

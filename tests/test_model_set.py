@@ -10,9 +10,9 @@ import pytest
 
 import turbine_fmha
 from turbine_fmha.build.model_set import ModelShape, model_variants, read_config, shape_from_config
+from turbine_fmha.kernels.append_kernel import AppendKernel
 from turbine_fmha.kernels.signature import KERNEL_ABI
 from turbine_fmha.kernels.variants import MERGED_DECODE_TILES, Variant
-from turbine_fmha.kernels.append_kernel import AppendKernel
 
 LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, torch_dtype="bfloat16")
 
@@ -27,18 +27,22 @@ def test_shape_from_hf_configs():
     wrapped = dict(architectures=["X"], text_config=dict(num_attention_heads=16, hidden_size=1024, dtype="float32"))
     assert shape_from_config(wrapped) == ModelShape(16, 16, 64, 64, "f32")
     # Values given explicitly win over the config's.
-    assert shape_from_config(LLAMA, nhead_k=4, dtype="f16", pages=[16, 64], hdim_v=64) == \
-        ModelShape(32, 4, 128, 64, "f16", (16, 64))
+    assert shape_from_config(LLAMA, nhead_k=4, dtype="f16", pages=[16, 64], hdim_v=64) == ModelShape(
+        32, 4, 128, 64, "f16", (16, 64)
+    )
 
 
-@pytest.mark.parametrize("config, words", [
-    (dict(LLAMA, num_attention_heads=None), "num_attention_heads is missing"),
-    (dict(LLAMA, hidden_size=1000), "hidden_size (1000) is not a multiple"),
-    (dict(LLAMA, num_key_value_heads=0), "num_key_value_heads must be a positive integer"),
-    (dict(LLAMA, num_key_value_heads=5), "nhead_q (32) must be a multiple of nhead_k (5)"),
-    (dict(LLAMA, torch_dtype="int8"), "torch_dtype 'int8'"),
-    ({k: v for k, v in LLAMA.items() if k != "torch_dtype"}, "torch_dtype None"),
-])
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        (dict(LLAMA, num_attention_heads=None), "num_attention_heads is missing"),
+        (dict(LLAMA, hidden_size=1000), "hidden_size (1000) is not a multiple"),
+        (dict(LLAMA, num_key_value_heads=0), "num_key_value_heads must be a positive integer"),
+        (dict(LLAMA, num_key_value_heads=5), "nhead_q (32) must be a multiple of nhead_k (5)"),
+        (dict(LLAMA, torch_dtype="int8"), "torch_dtype 'int8'"),
+        ({k: v for k, v in LLAMA.items() if k != "torch_dtype"}, "torch_dtype None"),
+    ],
+)
 def test_bad_configs_name_the_key(config, words):
     with pytest.raises(ValueError, match=None) as e:
         shape_from_config(config, source="cfg.json")
@@ -60,8 +64,17 @@ def test_read_config_errors_name_the_file(tmp_path):
 def _session_over(tmp_path, target: str, kernels) -> turbine_fmha.Session:
     """A Session whose manifest lists exactly `kernels` for `target`
     (selection reads only the manifest; nothing is loaded)."""
-    entries = [dict(variant=k.name, target=target, path=f"{target}/{k.name}.vmfb", sha256="0" * 64,
-                    compiler_version="3.13.0", kernel_abi=KERNEL_ABI) for k in kernels]
+    entries = [
+        dict(
+            variant=k.name,
+            target=target,
+            path=f"{target}/{k.name}.vmfb",
+            sha256="0" * 64,
+            compiler_version="3.13.0",
+            kernel_abi=KERNEL_ABI,
+        )
+        for k in kernels
+    ]
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
     return turbine_fmha.Session("cpu", artifact_dir=tmp_path, target=target)
 
@@ -71,10 +84,19 @@ def _calls(shape: ModelShape, online: bool):
     automatic), prefill short and long; no mask and causal (top-left too
     where the formulation serves it)."""
     masks = ("none", "bottom_right") if online else ("none", "bottom_right", "top_left")
-    for batch, rows, keys in ((1, 1, 3000), (8, 1, 700), (32, 1, 100), (40, 1, 50), (64, 1, 50), (128, 1, 30),
-                              (1, 100, 300), (1, 2000, 2000), (1, 4096, 4096)):
+    for batch, rows, keys in (
+        (1, 1, 3000),
+        (8, 1, 700),
+        (32, 1, 100),
+        (40, 1, 50),
+        (64, 1, 50),
+        (128, 1, 30),
+        (1, 100, 300),
+        (1, 2000, 2000),
+        (1, 4096, 4096),
+    ):
         for mask in masks:
-            for splits in ((None, 3) if rows == 1 else (None,)):
+            for splits in (None, 3) if rows == 1 else (None,):
                 yield batch, rows, keys, mask, splits
     # A sliding window without a right edge computes every block: one long
     # launch, unlike a causal prefill's chunks cut at the diagonal.
@@ -91,32 +113,53 @@ def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:
     for batch, rows, keys, mask, splits in _calls(shape, online):
         width = -(-keys // page)
         bt = np.arange(batch * width, dtype=np.int32).reshape(batch, width)
-        window = dict(window_size_left=256, window_size_right=-1) if mask.endswith("_left_window") else \
-            dict(window_size_right=0 if mask != "none" else -1)
+        window = (
+            dict(window_size_left=256, window_size_right=-1)
+            if mask.endswith("_left_window")
+            else dict(window_size_right=0 if mask != "none" else -1)
+        )
         attn = turbine_fmha.PagedAttention(session).plan(
-            bt, np.full(batch, keys, np.int32), num_pages=batch * width, page_block_size=page,
-            nhead_q=shape.nhead_q, nhead_k=shape.nhead_k, hdim=shape.hdim_q, hdim_v=shape.hdim_v,
-            dtype=shape.dtype, seqlen_q=rows, mask_type=mask.removesuffix("_left_window"), num_splits=splits,
-            kv_layout=shape.kv_layout, **window)
+            bt,
+            np.full(batch, keys, np.int32),
+            num_pages=batch * width,
+            page_block_size=page,
+            nhead_q=shape.nhead_q,
+            nhead_k=shape.nhead_k,
+            hdim=shape.hdim_q,
+            hdim_v=shape.hdim_v,
+            dtype=shape.dtype,
+            seqlen_q=rows,
+            mask_type=mask.removesuffix("_left_window"),
+            num_splits=splits,
+            kv_layout=shape.kv_layout,
+            **window,
+        )
         chosen |= {attn._plan._variant(finite) for finite in (False, True)}
     return chosen
 
 
-@pytest.mark.parametrize("target, shape", [
-    ("host", ModelShape(12, 4, 64, 64, "bf16")),
-    ("cuda", ModelShape(12, 4, 64, 64, "bf16")),
-    ("gfx942", ModelShape(8, 1, 256, 256, "f16", (32,))),  # head dims the online kernels cannot serve
-    ("cuda", ModelShape(12, 4, 64, 64, "bf16", kv_layout="HND")),
-    ("host", ModelShape(8, 2, 128, 128, "f16", (64,), kv_layout="HND")),
-])
+@pytest.mark.parametrize(
+    "target, shape",
+    [
+        ("host", ModelShape(12, 4, 64, 64, "bf16")),
+        ("cuda", ModelShape(12, 4, 64, 64, "bf16")),
+        ("gfx942", ModelShape(8, 1, 256, 256, "f16", (32,))),  # head dims the online kernels cannot serve
+        ("cuda", ModelShape(12, 4, 64, 64, "bf16", kv_layout="HND")),
+        ("host", ModelShape(8, 2, 128, 128, "f16", (64,), kv_layout="HND")),
+    ],
+)
 def test_model_set_is_what_the_models_calls_select(tmp_path, target, shape):
     """Every call of the model finds its variant in the set, and every
     attention variant in the set serves some call: the set is the
     runtime's own choice, not a guess."""
     kernels = model_variants(shape, target)
     session = _session_over(tmp_path, target, kernels)
-    online = session._formulation_for(Variant(shape.dtype, shape.hdim_q, shape.hdim_v, shape.nhead_q,
-                                              shape.nhead_k, shape.pages[0]).problem) == "online"
+    online = (
+        session._formulation_for(
+            Variant(shape.dtype, shape.hdim_q, shape.hdim_v, shape.nhead_q, shape.nhead_k, shape.pages[0]).problem
+        )
+        == "online"
+    )
     assert online == (target != "host" and shape.hdim_q <= 128)
     assert _selected(session, shape, online) == {k for k in kernels if isinstance(k, Variant)}
     appends = [k for k in kernels if isinstance(k, AppendKernel)]

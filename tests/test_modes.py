@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import LSE_TOL, OUT_TOL, np_dtype
 
 import turbine_fmha
-from conftest import LSE_TOL, OUT_TOL, np_dtype
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 FORMULATIONS = ["explicit", "online"]
@@ -79,8 +79,9 @@ def test_group_mode_mixed_decode_prefill(sessions, rng, formulation, dtype, mask
     seqlens_k = [int(rng.integers(0, 100)) for _ in range(n)]
     q, k, v, bt, sk, seqstart = _group_problem(rng, dtype, seqlens_q, seqlens_k)
     kw = dict(mask_type=mask, window_size_left=left, window_size_right=right)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, return_lse=True,
-                                          session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, bt, sk, seqstart_q=seqstart, return_lse=True, session=sessions[formulation], **kw
+    )
     assert out.shape == (q.shape[0], 8, 64) and lse.shape == (8, q.shape[0])
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, **kw)
     _check(out, lse, ref, ref_lse, dtype)
@@ -95,14 +96,25 @@ def test_mixed_batch_runs_decodes_apart(sessions, rng, formulation):
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k)
     session = sessions[formulation]
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, sk, seqstart_q=seqstart, num_pages=k.shape[0], page_block_size=16, nhead_q=8, nhead_k=2, hdim=64,
-        dtype="f16", mask_type="bottom_right", window_size_right=0)
+        bt,
+        sk,
+        seqstart_q=seqstart,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        mask_type="bottom_right",
+        window_size_right=0,
+    )
     decode, prefill = attn._plan.parts
     assert (list(decode.active), decode.rows, list(prefill.active), prefill.rows) == ([0, 2, 5], 1, [1, 4], 90)
     out = np.full((q.shape[0], 8, 64), np.nan, np.float16)  # poisoned: every row must be written
     out, lse = attn.run(q, k, v, out=out, return_lse=True)
-    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, mask_type="bottom_right",
-                                      window_size_right=0)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q, k, v, bt, sk, seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0
+    )
     _check(out, lse, ref, ref_lse, "f16")
     if formulation == "online":
         assert decode._variant(False).seqlen_q_tile == 1 and prefill._variant(False).seqlen_q_tile > 1
@@ -120,8 +132,9 @@ def test_group_mode_with_features(sessions, rng, formulation):
         dict(sinks=rng.uniform(-1, 1, 8).astype(np.float32), window_size_left=9, sink_size=2),
     ):
         kw = dict(mask_type="bottom_right", window_size_right=0, **kw)
-        out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, return_lse=True,
-                                              session=sessions[formulation], **kw)
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q, k, v, bt, sk, seqstart_q=seqstart, return_lse=True, session=sessions[formulation], **kw
+        )
         ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, **kw)
         _check(out, lse, ref, ref_lse, "f32")
 
@@ -140,8 +153,17 @@ def test_gappy_kv(sessions, rng, formulation, page):
     q = rng.standard_normal((b, sq, 8, 64)).astype(np.float16)
     kw = dict(mask_type="bottom_right", window_size_left=int(rng.integers(-1, 30)), window_size_right=0)
     kw["alibi_slopes"] = rng.uniform(0.05, 0.5, 8).astype(np.float32)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, np.array(seqlens_k, np.int32), kv_offset=np.array(offsets, np.int32),
-                                          return_lse=True, session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q,
+        k,
+        v,
+        table,
+        np.array(seqlens_k, np.int32),
+        kv_offset=np.array(offsets, np.int32),
+        return_lse=True,
+        session=sessions[formulation],
+        **kw,
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, seqlens_k, kv_offset=offsets, **kw)
     _check(out, lse, ref, ref_lse, "f16")
 
@@ -151,8 +173,18 @@ def test_gappy_kv_group_mode(sessions, rng, formulation):
     seqlens_q, seqlens_k, offsets = [1, 30, 1], [40, 30, 7], [13, 16, 40]
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f32", seqlens_q, seqlens_k, offsets=offsets)
     kw = dict(mask_type="bottom_right", window_size_right=0)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, kv_offset=np.array(offsets, np.int32),
-                                          return_lse=True, session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q,
+        k,
+        v,
+        bt,
+        sk,
+        seqstart_q=seqstart,
+        kv_offset=np.array(offsets, np.int32),
+        return_lse=True,
+        session=sessions[formulation],
+        **kw,
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, kv_offset=offsets, **kw)
     _check(out, lse, ref, ref_lse, "f32")
 
@@ -163,12 +195,25 @@ def test_skip_min_seqlen_q(explicit_session, rng, with_out):
     seqlens_k = [50, 12, 20, 40, 9]
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f32", seqlens_q, seqlens_k)
     out = np.full((q.shape[0], 8, 64), 7.25, np.float32) if with_out else None
-    res, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, min_seqlen_q=2, out=out,
-                                          return_lse=True, session=explicit_session, mask_type="bottom_right",
-                                          window_size_right=0)
+    res, lse = turbine_fmha.fmha_fwd_paged(
+        q,
+        k,
+        v,
+        bt,
+        sk,
+        seqstart_q=seqstart,
+        min_seqlen_q=2,
+        out=out,
+        return_lse=True,
+        session=explicit_session,
+        mask_type="bottom_right",
+        window_size_right=0,
+    )
     if with_out:
         assert res is out
-    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q, k, v, bt, sk, seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0
+    )
     for b, n in enumerate(seqlens_q):
         rows = slice(seqstart[b], seqstart[b + 1])
         if n <= 2:  # skipped: untouched in a given out, zero otherwise; LSE -inf
@@ -189,21 +234,25 @@ def test_kvcache_with_cache_batch_idx(sessions, rng, formulation, max_sk):
     sq = int(rng.integers(1, 12))
     q = rng.standard_normal((b, sq, 8, 64)).astype(np.float16)
     kw = dict(mask_type="bottom_right", window_size_right=0)
-    out, lse = turbine_fmha.fmha_fwd_kvcache(q, k, v, sk, cache_batch_idx=idx, return_lse=True,
-                                            session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_kvcache(
+        q, k, v, sk, cache_batch_idx=idx, return_lse=True, session=sessions[formulation], **kw
+    )
     # Reference: the same cache rows as one page per sequence.
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, idx[:, None], sk, **kw)
     _check(out, lse, ref, ref_lse, "f16")
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
-@pytest.mark.parametrize("d,dv", [(32, 32), (72, 72), (80, 80), (96, 96), (160, 160), (192, 128), (128, 64), (256, 256)])
+@pytest.mark.parametrize(
+    "d,dv", [(32, 32), (72, 72), (80, 80), (96, 96), (160, 160), (192, 128), (128, 64), (256, 256)]
+)
 def test_head_dims(sessions, rng, formulation, d, dv):
     seqlens_q, seqlens_k = [1, 20], [33, 20]
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k, nq=4, nk=2, d=d, dv=dv)
     kw = dict(mask_type="bottom_right", window_size_right=0)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=seqstart, return_lse=True,
-                                          session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, bt, sk, seqstart_q=seqstart, return_lse=True, session=sessions[formulation], **kw
+    )
     assert out.shape == (q.shape[0], 4, dv)
     # The online (GPU) formulation computes wrong results for head dims over
     # 128 in IREE 3.13; the runtime serves those with the explicit one.
@@ -218,8 +267,15 @@ def _call_group(s, **over):
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", [2, 3], [20, 5], nq=4)
     args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk, seqstart_q=seqstart)
     args.update(over)
-    return turbine_fmha.fmha_fwd_paged(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
-                                       args.pop("block_table"), args.pop("seqlen_k"), session=s, **args)
+    return turbine_fmha.fmha_fwd_paged(
+        args.pop("q"),
+        args.pop("k_cache"),
+        args.pop("v_cache"),
+        args.pop("block_table"),
+        args.pop("seqlen_k"),
+        session=s,
+        **args,
+    )
 
 
 @pytest.mark.parametrize(
@@ -272,11 +328,19 @@ def test_online_per_head_terms_with_one_row_pages_fall_back(online_session, rng)
     from conftest import make_problem, run_and_check
 
     prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=4, seqlens_k=[9, 3], nhead_q=8, nhead_k=2, hdim=64, page=1)
-    run_and_check(online_session, prob, dtype="f16", mask_type="bottom_right", window_size_right=0,
-                  alibi_slopes=rng.uniform(0.05, 0.5, 8).astype(np.float32))
+    run_and_check(
+        online_session,
+        prob,
+        dtype="f16",
+        mask_type="bottom_right",
+        window_size_right=0,
+        alibi_slopes=rng.uniform(0.05, 0.5, 8).astype(np.float32),
+    )
     assert online_session.last_variant.formulation == "explicit"
     with pytest.raises(ValueError, match="page_block_size 1"):
-        turbine_fmha.Variant("f16", 64, 64, 8, 2, 1, "none", "alibi", formulation="online", batch_tile=1, seqlen_q_tile=1)
+        turbine_fmha.Variant(
+            "f16", 64, 64, 8, 2, 1, "none", "alibi", formulation="online", batch_tile=1, seqlen_q_tile=1
+        )
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -286,8 +350,9 @@ def test_column_major_v(sessions, rng, formulation, page, dv):
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k, d=64, dv=dv, page=page)
     v_col = np.ascontiguousarray(v.transpose(0, 2, 3, 1))  # [pages, nhead_k, hdim_v, page]
     kw = dict(mask_type="bottom_right", window_size_right=0)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v_col, bt, sk, seqstart_q=seqstart, v_layout="col",
-                                          return_lse=True, session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v_col, bt, sk, seqstart_q=seqstart, v_layout="col", return_lse=True, session=sessions[formulation], **kw
+    )
     assert sessions[formulation].last_variant.v_layout == "col"
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v_col, bt, sk, seqstart_q=seqstart, v_layout="col", **kw)
     _check(out, lse, ref, ref_lse, "f16")
@@ -326,8 +391,13 @@ def test_kvcache_pages_follow_the_session_kernels(monkeypatch, tmp_path, rng):
     q = np.zeros((2, 1, 4, 64), np.float16)
     api.fmha_fwd_kvcache(q, k, k, np.array([256, 3], np.int32), session=Page16Session("cpu", artifact_dir=tmp_path))
     assert seen["page"] == 16 and seen["table"].shape == (2, 16)
-    api.fmha_fwd_kvcache(q, k, k, np.array([256, 3], np.int32),
-                         session=turbine_fmha.Session("cpu", artifact_dir=tmp_path, compile_missing=True, cache_dir=tmp_path))
+    api.fmha_fwd_kvcache(
+        q,
+        k,
+        k,
+        np.array([256, 3], np.int32),
+        session=turbine_fmha.Session("cpu", artifact_dir=tmp_path, compile_missing=True, cache_dir=tmp_path),
+    )
     assert seen["page"] == 128
 
 

@@ -9,7 +9,6 @@ exactly 0 with LSE -inf). Tolerances are justified in conftest.py.
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_problem, run_and_check
 
 MASKS = [
@@ -35,10 +34,20 @@ def test_explicit_decode_and_prefill(explicit_session, rng, dtype, page):
     for seqlen_q in (1, int(rng.integers(2, 70))):
         mask, left, right = MASKS[int(rng.integers(len(MASKS)))]
         batch, seqlens = _random_case(rng, page, seqlen_q)
-        prob = make_problem(rng, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens,
-                            nhead_q=4, nhead_k=2, hdim=64, page=page)
-        run_and_check(explicit_session, prob, dtype=dtype, mask_type=mask,
-                      window_size_left=left, window_size_right=right)
+        prob = make_problem(
+            rng,
+            dtype=dtype,
+            batch=batch,
+            seqlen_q=seqlen_q,
+            seqlens_k=seqlens,
+            nhead_q=4,
+            nhead_k=2,
+            hdim=64,
+            page=page,
+        )
+        run_and_check(
+            explicit_session, prob, dtype=dtype, mask_type=mask, window_size_left=left, window_size_right=right
+        )
 
 
 @pytest.mark.parametrize("mask,left,right", MASKS)
@@ -47,10 +56,10 @@ def test_explicit_masks_and_heads(explicit_session, rng, mask, left, right, head
     nq, nk = heads
     seqlen_q = int(rng.integers(1, 40))
     batch, seqlens = _random_case(rng, 16, seqlen_q)
-    prob = make_problem(rng, dtype="f16", batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens,
-                        nhead_q=nq, nhead_k=nk, hdim=128, page=16)
-    run_and_check(explicit_session, prob, dtype="f16", mask_type=mask,
-                  window_size_left=left, window_size_right=right)
+    prob = make_problem(
+        rng, dtype="f16", batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens, nhead_q=nq, nhead_k=nk, hdim=128, page=16
+    )
+    run_and_check(explicit_session, prob, dtype="f16", mask_type=mask, window_size_left=left, window_size_right=right)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
@@ -60,10 +69,10 @@ def test_online_formulation_on_cpu(online_session, rng, dtype, mask, left, right
     row) and prefill tiles (128 rows) with runtime padding and chunking."""
     for seqlen_q, batch in ((1, int(rng.integers(1, 11))), (int(rng.integers(2, 300)), int(rng.integers(1, 3)))):
         _, seqlens = _random_case(rng, 16, seqlen_q, batch)
-        prob = make_problem(rng, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens,
-                            nhead_q=8, nhead_k=2, hdim=64, page=16)
-        run_and_check(online_session, prob, dtype=dtype, mask_type=mask,
-                      window_size_left=left, window_size_right=right)
+        prob = make_problem(
+            rng, dtype=dtype, batch=batch, seqlen_q=seqlen_q, seqlens_k=seqlens, nhead_q=8, nhead_k=2, hdim=64, page=16
+        )
+        run_and_check(online_session, prob, dtype=dtype, mask_type=mask, window_size_left=left, window_size_right=right)
 
 
 @pytest.mark.parametrize("formulation", ["explicit", "online"])
@@ -79,19 +88,32 @@ def test_online_formulation_on_cpu(online_session, rng, dtype, mask, left, right
         ("all_empty", 2, [0, 0], 16, "top_left", -1, 0),
     ],
 )
-def test_edge_cases(explicit_session, online_session, rng, formulation, name, seqlen_q, seqlens, page, mask, left, right):
+def test_edge_cases(
+    explicit_session, online_session, rng, formulation, name, seqlen_q, seqlens, page, mask, left, right
+):
     session = explicit_session if formulation == "explicit" else online_session
-    prob = make_problem(rng, dtype="f32", batch=len(seqlens), seqlen_q=seqlen_q, seqlens_k=seqlens,
-                        nhead_q=4, nhead_k=2, hdim=64, page=page)
+    prob = make_problem(
+        rng,
+        dtype="f32",
+        batch=len(seqlens),
+        seqlen_q=seqlen_q,
+        seqlens_k=seqlens,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        page=page,
+    )
     run_and_check(session, prob, dtype="f32", mask_type=mask, window_size_left=left, window_size_right=right)
 
 
 def test_window_fully_masks_rows(explicit_session, rng):
     # top-left window (0, 0) with seqlen_q > seqlen_k: rows past seqlen_k see nothing.
-    prob = make_problem(rng, dtype="f32", batch=2, seqlen_q=12, seqlens_k=[5, 9],
-                        nhead_q=4, nhead_k=4, hdim=64, page=16)
-    out, lse = run_and_check(explicit_session, prob, dtype="f32", mask_type="top_left",
-                             window_size_left=0, window_size_right=0)
+    prob = make_problem(
+        rng, dtype="f32", batch=2, seqlen_q=12, seqlens_k=[5, 9], nhead_q=4, nhead_k=4, hdim=64, page=16
+    )
+    out, lse = run_and_check(
+        explicit_session, prob, dtype="f32", mask_type="top_left", window_size_left=0, window_size_right=0
+    )
     assert (lse[0, :, 5:] == float("-inf")).all() and (out[0, 5:] == 0).all()
 
 
@@ -100,15 +122,17 @@ def test_window_fully_masks_rows(explicit_session, rng):
 def test_long_prefill_chunked(explicit_session, rng, dtype):
     """Prefill of 1100 rows over 2000 keys: the runtime chunks query rows so
     the score tile stays bounded; the mask must stay in absolute positions."""
-    prob = make_problem(rng, dtype=dtype, batch=1, seqlen_q=1100, seqlens_k=[2000],
-                        nhead_q=8, nhead_k=2, hdim=64, page=32)
+    prob = make_problem(
+        rng, dtype=dtype, batch=1, seqlen_q=1100, seqlens_k=[2000], nhead_q=8, nhead_k=2, hdim=64, page=32
+    )
     import turbine_fmha.calls.plan as plan
 
     old = plan.SCORE_BYTES_BUDGET
     plan.SCORE_BYTES_BUDGET = 8 << 20  # force several chunks
     try:
-        run_and_check(explicit_session, prob, dtype=dtype, mask_type="bottom_right",
-                      window_size_left=-1, window_size_right=0)
+        run_and_check(
+            explicit_session, prob, dtype=dtype, mask_type="bottom_right", window_size_left=-1, window_size_right=0
+        )
     finally:
         plan.SCORE_BYTES_BUDGET = old
 
@@ -118,8 +142,9 @@ def _hot_keys_problem(rng, dtype, c, nhead_q):
     and K are c along one axis, scale 1); every other key scores about c at
     most, so its weight exp(~c - c^2) is 0 and the exact output is the mean
     of the three hot V rows, whatever c is."""
-    q, k, v, bt, sk = make_problem(rng, dtype=dtype, batch=2, seqlen_q=2, seqlens_k=[40, 35],
-                                   nhead_q=nhead_q, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype=dtype, batch=2, seqlen_q=2, seqlens_k=[40, 35], nhead_q=nhead_q, nhead_k=2, hdim=64, page=16
+    )
     q[...] = 0
     q[..., 0] = c
     for b in range(2):
@@ -132,8 +157,14 @@ def _hot_keys_problem(rng, dtype, c, nhead_q):
 # LSE: the scores are exact in f32 up to its rounding (2^-24 relative); the
 # online formulation also rounds scale * log2(e) * q to the input dtype
 # (2^-11 f16, 2^-8 bf16), which moves the LSE by that fraction of it.
-_LSE_REL = {("explicit", "f16"): 2**-22, ("explicit", "bf16"): 2**-22, ("explicit", "f32"): 2**-22,
-            ("online", "f16"): 2**-10, ("online", "bf16"): 2**-7, ("online", "f32"): 2**-22}
+_LSE_REL = {
+    ("explicit", "f16"): 2**-22,
+    ("explicit", "bf16"): 2**-22,
+    ("explicit", "f32"): 2**-22,
+    ("online", "f16"): 2**-10,
+    ("online", "bf16"): 2**-7,
+    ("online", "f32"): 2**-22,
+}
 
 
 @pytest.mark.parametrize("formulation", ["explicit", "online"])
@@ -145,9 +176,9 @@ def test_large_scores_exact(explicit_session, online_session, rng, formulation, 
     large: 2.6% off at scores of 1e6, 3x the answer at 1e8. Split-KV puts
     the hot keys in three different splits, so the merge is checked too."""
     import numpy as np
+    from conftest import LSE_TOL, OUT_TOL
 
     import turbine_fmha
-    from conftest import LSE_TOL, OUT_TOL
     from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     session = explicit_session if formulation == "explicit" else online_session
@@ -168,14 +199,23 @@ def test_large_finite_bias_on_every_key(explicit_session, online_session, rng, f
     value) shifts all scores equally: the softmax must not change. It gave
     3x the right answer before the normalization fix."""
     import numpy as np
+    from conftest import OUT_TOL, make_problem
 
     import turbine_fmha
-    from conftest import OUT_TOL, make_problem
     from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
     session = explicit_session if formulation == "explicit" else online_session
-    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[40, 21],
-                        nhead_q=4 if formulation == "explicit" else 8, nhead_k=2, hdim=64, page=16)
+    prob = make_problem(
+        rng,
+        dtype="f16",
+        batch=2,
+        seqlen_q=3,
+        seqlens_k=[40, 21],
+        nhead_q=4 if formulation == "explicit" else 8,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
     bias = np.full((1, 1, 3, 48), -1e30, np.float32)
     ref, _ = fmha_fwd_paged_ref(*prob, bias=bias)
     for splits in (1, 2):
@@ -190,13 +230,14 @@ def test_nan_key_under_large_negative_bias_stays_nan(online_session, rng):
     sentinel under the NaN limit: the NaN key then counted as an ordinary
     one and the row came out finite where the reference is NaN."""
     import numpy as np
+    from conftest import make_problem
 
     import turbine_fmha
-    from conftest import make_problem
     from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 21],
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 21], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     k[bt[0, 1], 3, 0, 5] = np.nan  # key 19 of sequence 0, KV head 0
     bias = np.full((1, 1, 1, 48), -1e30, np.float32)
     out = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, bias=bias, session=online_session)

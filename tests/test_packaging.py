@@ -27,8 +27,10 @@ FIRST_CALL = Variant("f32", 32, 32, 2, 2, 16, "none")
 # What a default session compiles for it: the kernel of its GQA group.
 COMPILED = Variant(**runtime_heads(FIRST_CALL.problem))
 # pip's output when it could not reach an index (then the test is skipped).
-OFFLINE = re.compile(r"NewConnectionError|Failed to establish|Temporary failure in name resolution|"
-                     r"Network is unreachable|ConnectTimeout|ProxyError")
+OFFLINE = re.compile(
+    r"NewConnectionError|Failed to establish|Temporary failure in name resolution|"
+    r"Network is unreachable|ConnectTimeout|ProxyError"
+)
 
 
 def _pins(lines) -> dict[str, str]:
@@ -59,8 +61,13 @@ def _not_source(directory: str, names: list[str]) -> set[str]:
     # What the top level holds besides the source (checked-out state, built
     # artifacts, caches); at every level, Python's caches.
     top = {".git", ".venv", "build", ".pytest_cache", ".hypothesis", ".device", ".whl"}
-    return {n for n in names if n in ("__pycache__",) or n.endswith(".egg-info")
-            or (Path(directory) == REPO and (n in top or n.startswith("artifacts")))}
+    return {
+        n
+        for n in names
+        if n in ("__pycache__",)
+        or n.endswith(".egg-info")
+        or (Path(directory) == REPO and (n in top or n.startswith("artifacts")))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +77,23 @@ def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(REPO, src, ignore=_not_source)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp / "dist"), str(src)], check=True, capture_output=True, cwd=tmp)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp,
+    )
     (whl,) = (tmp / "dist").glob("turbine_fmha-*.whl")
     return whl
 
@@ -81,8 +103,7 @@ def test_wheel_ships_every_module_and_template(wheel):
     package, templates = REPO / "turbine_fmha", REPO / "mlir"
     expected = {f"turbine_fmha/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")}
     # The templates: the repository's mlir/, inside the package (pyproject's package-dir).
-    expected |= {f"turbine_fmha/mlir/{p.relative_to(templates).as_posix()}"
-                 for p in templates.rglob("*.mlir.jinja")}
+    expected |= {f"turbine_fmha/mlir/{p.relative_to(templates).as_posix()}" for p in templates.rglob("*.mlir.jinja")}
     assert any(n.startswith("turbine_fmha/mlir/terms/") for n in expected)
     assert expected <= names, sorted(expected - names)
 
@@ -90,8 +111,8 @@ def test_wheel_ships_every_module_and_template(wheel):
 def test_default_directories_follow_one_rule(monkeypatch, tmp_path):
     """$TURBINE_FMHA_ARTIFACTS, else the user cache: for Python, the CLI
     and the missing-artifact hint alike; never inside the package."""
-    from turbine_fmha.runtime import paths
     from turbine_fmha.cli.main import main
+    from turbine_fmha.runtime import paths
 
     for env in ("TURBINE_FMHA_ARTIFACTS", "TURBINE_FMHA_CACHE"):
         monkeypatch.delenv(env, raising=False)
@@ -135,8 +156,7 @@ class Venv:
         self.cwd = root / "elsewhere"
         self.cwd.mkdir(parents=True)
         self.xdg = root / "xdg"
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(("TURBINE_FMHA_", "PYTHON", "VIRTUAL_ENV"))}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("TURBINE_FMHA_", "PYTHON", "VIRTUAL_ENV"))}
         self.env.update(XDG_CACHE_HOME=str(self.xdg), TURBINE_FMHA_CPU_THREADS="2")
         subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True, capture_output=True)
 
@@ -148,8 +168,10 @@ class Venv:
             del env["XDG_CACHE_HOME"]
         p = self.run([str(self.bin / "python"), "-m", "pip", "install", "-q", requirement], env=env)
         if p.returncode and OFFLINE.search(p.stdout + p.stderr):
-            pytest.skip(f"pip could not reach a package index for {requirement}, and its cache lacks the "
-                        f"wheels:\n{p.stderr[-2000:]}")
+            pytest.skip(
+                f"pip could not reach a package index for {requirement}, and its cache lacks the "
+                f"wheels:\n{p.stderr[-2000:]}"
+            )
         assert p.returncode == 0, p.stdout + p.stderr
 
     def run(self, argv, env=None) -> subprocess.CompletedProcess:
@@ -193,8 +215,10 @@ def _call(variant: Variant, session: str) -> str:
 
 def test_installed_runtime_alone_names_the_build_extra(venv):
     hint = "pip install 'turbine-fmha[build]'"
-    p = venv.python("import turbine_fmha, importlib.util; print(importlib.util.find_spec('torch'))\n"
-                    + _call(FIRST_CALL, "turbine_fmha.Session('cpu', compile_missing=True)"))
+    p = venv.python(
+        "import turbine_fmha, importlib.util; print(importlib.util.find_spec('torch'))\n"
+        + _call(FIRST_CALL, "turbine_fmha.Session('cpu', compile_missing=True)")
+    )
     assert p.stdout.startswith("None") and "ModuleNotFoundError" in p.stderr and hint in p.stderr, p.stderr
     p = venv.cli("build", "--variants", BUILT.name)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and hint in p.stderr, p.stderr
@@ -224,8 +248,8 @@ def test_installed_first_call_compiles_into_the_user_cache(with_build_extra):
     p = venv.python(_call(FIRST_CALL, "None"))
     assert p.stdout == "OK\n", p.stderr
     assert [line for line in p.stderr.splitlines() if "compiling" in line] == [
-        f"turbine-fmha: compiling {COMPILED.name} for host into {venv.xdg / 'turbine-fmha' / 'compiled'} "
-        "(first use)"]
+        f"turbine-fmha: compiling {COMPILED.name} for host into {venv.xdg / 'turbine-fmha' / 'compiled'} (first use)"
+    ]
     manifest = json.loads((venv.xdg / "turbine-fmha" / "compiled" / "manifest.json").read_text())
     assert [a["variant"] for a in manifest["artifacts"]] == [COMPILED.name]
 

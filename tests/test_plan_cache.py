@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import OUT_TOL, make_problem
 
 import turbine_fmha
-from conftest import OUT_TOL, make_problem
 from turbine_fmha.runtime.plan_cache import PLAN_CACHE_SIZE, call_key
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 

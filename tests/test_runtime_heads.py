@@ -11,17 +11,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
-import turbine_fmha
 from conftest import CACHE, make_problem, run_and_check
 from test_modes import _check
+
+import turbine_fmha
 from turbine_fmha.build import aot as tfb
 from turbine_fmha.build.artifacts import ArtifactError
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 from turbine_fmha.build.default_sets import ANY_HEADS_HDIMS, gpu_default_set, host_default_set
-from turbine_fmha.runtime.selection import VariantSelection, _problem_key
 from turbine_fmha.build.targets import get_target
 from turbine_fmha.kernels.variants import Variant, online_variant, runtime_heads
+from turbine_fmha.runtime.selection import VariantSelection, _problem_key
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 # (nhead_q, nhead_k): groups 1-8, odd counts, MQA.
 HEADS = [(8, 2), (12, 3), (6, 6), (10, 2), (7, 1)]
@@ -49,13 +49,16 @@ def test_names():
     assert (g4.group_size, any_group.group_size, static.group_size) == (4, 0, 4)
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(nhead_q=0, nhead_k=8), "nhead_q and nhead_k"),
-    (dict(nhead_q=32, nhead_k=0), "nhead_q and nhead_k"),
-    (dict(nhead_q=32, nhead_k=8, group=4), "nhead_q and nhead_k"),
-    (dict(nhead_q=0, nhead_k=0, group=-1), "static GQA group"),
-    (dict(nhead_q=0, nhead_k=0, formulation="online", batch_tile=8, seqlen_q_tile=1), "static GQA group"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(nhead_q=0, nhead_k=8), "nhead_q and nhead_k"),
+        (dict(nhead_q=32, nhead_k=0), "nhead_q and nhead_k"),
+        (dict(nhead_q=32, nhead_k=8, group=4), "nhead_q and nhead_k"),
+        (dict(nhead_q=0, nhead_k=0, group=-1), "static GQA group"),
+        (dict(nhead_q=0, nhead_k=0, formulation="online", batch_tile=8, seqlen_q_tile=1), "static GQA group"),
+    ],
+)
 def test_bad_head_fields_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         Variant(**dict(dict(dtype="f16", hdim_q=64, hdim_v=64, page_block_size=16), **fields))
@@ -67,13 +70,15 @@ def test_every_head_count(rng, heads, dtype):
     """One artifact for every head configuration (of its group), decode and
     a causal prefill."""
     group = 2 if heads == "group" else 0
-    session = _built(f"{heads}-{dtype}", [Variant(dtype, 64, 64, 0, 0, 16, m, group=group)
-                                          for m in ("none", "bottom_right")])
+    session = _built(
+        f"{heads}-{dtype}", [Variant(dtype, 64, 64, 0, 0, 16, m, group=group) for m in ("none", "bottom_right")]
+    )
     configs = [(h * 2, h) for h in (1, 3, 5)] if group else HEADS
     for hq, hk in configs:
         for sq, kw in ((1, {}), (19, dict(mask_type="bottom_right"))):
-            p = make_problem(rng, dtype=dtype, batch=3, seqlen_q=sq, seqlens_k=[0, 40, 77], nhead_q=hq,
-                             nhead_k=hk, hdim=64, page=16)
+            p = make_problem(
+                rng, dtype=dtype, batch=3, seqlen_q=sq, seqlens_k=[0, 40, 77], nhead_q=hq, nhead_k=hk, hdim=64, page=16
+            )
             run_and_check(session, p, dtype=dtype, **kw)
             assert session.last_variant.group == group and session.last_variant.runtime_heads
 
@@ -84,10 +89,14 @@ def test_every_head_count(rng, heads, dtype):
 def _features(rng, hq=12):
     return {
         "alibi": (dict(alibi_slopes=rng.uniform(0.01, 0.5, hq).astype(np.float32)), dict(bias="alibi")),
-        "bias_1h": (dict(bias=rng.standard_normal((1, hq, 5, 80)).astype(np.float32)),
-                    dict(bias="elementwise", bias_shape="1h")),
-        "bias_bh": (dict(bias=rng.standard_normal((3, hq, 5, 80)).astype(np.float32)),
-                    dict(bias="elementwise", bias_shape="bh")),
+        "bias_1h": (
+            dict(bias=rng.standard_normal((1, hq, 5, 80)).astype(np.float32)),
+            dict(bias="elementwise", bias_shape="1h"),
+        ),
+        "bias_bh": (
+            dict(bias=rng.standard_normal((3, hq, 5, 80)).astype(np.float32)),
+            dict(bias="elementwise", bias_shape="bh"),
+        ),
         "softcap": (dict(logits_soft_cap=15.0), dict(softcap=True)),
         "sinks": (dict(sinks=rng.uniform(-1, 2, hq).astype(np.float32)), dict(sinks=True)),
     }
@@ -102,8 +111,9 @@ def test_features_with_runtime_heads(rng, formulation, feature):
     if formulation == "online":
         v = online_variant(v.problem, 1, 16)
     session = _built(f"{formulation}-{feature}", [v], formulation=formulation)
-    p = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[30, 80, 7], nhead_q=12, nhead_k=4,
-                     hdim=64, page=16)
+    p = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[30, 80, 7], nhead_q=12, nhead_k=4, hdim=64, page=16
+    )
     run_and_check(session, p, dtype="f16", mask_type="bottom_right", **kw)
     assert session.last_variant == v
 
@@ -113,18 +123,23 @@ def test_online_group_variants(rng):
     decode that merges split-KV partials in the module, and prefill tiles;
     any number of KV heads of the group."""
     p = Variant("bf16", 64, 64, 0, 0, 16, group=4).problem
-    variants = [online_variant(p, 32, 1), online_variant(p, 32, 1, merge_splits=4),
-                online_variant(dict(p, mask="bottom_right"), 1, 16)]
+    variants = [
+        online_variant(p, 32, 1),
+        online_variant(p, 32, 1, merge_splits=4),
+        online_variant(dict(p, mask="bottom_right"), 1, 16),
+    ]
     session = _built("online-g4", variants, formulation="online")
     for hq, hk in ((4, 1), (12, 3), (32, 8)):
-        p1 = make_problem(rng, dtype="bf16", batch=3, seqlen_q=1, seqlens_k=[900, 0, 333], nhead_q=hq, nhead_k=hk,
-                          hdim=64, page=16)
+        p1 = make_problem(
+            rng, dtype="bf16", batch=3, seqlen_q=1, seqlens_k=[900, 0, 333], nhead_q=hq, nhead_k=hk, hdim=64, page=16
+        )
         q, k, v, bt, sk = p1
         out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, return_lse=True, session=session)
         assert session.last_variant == variants[1]
         _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "bf16")
-        p2 = make_problem(rng, dtype="bf16", batch=2, seqlen_q=40, seqlens_k=[40, 90], nhead_q=hq, nhead_k=hk,
-                          hdim=64, page=16)
+        p2 = make_problem(
+            rng, dtype="bf16", batch=2, seqlen_q=40, seqlens_k=[40, 90], nhead_q=hq, nhead_k=hk, hdim=64, page=16
+        )
         run_and_check(session, p2, dtype="bf16", mask_type="bottom_right")
         assert session.last_variant == variants[2]
 
@@ -138,17 +153,18 @@ def test_online_any_group_variants(rng):
     variants += [online_variant(dict(p, mask="bottom_right"), 1, 16, group_rows=gp * 16) for gp in (2, 4, 8)]
     session = _built("online-any", variants, formulation="online")
     for hq, hk, gp in ((4, 4, 2), (12, 4, 4), (10, 2, 8), (28, 4, 8), (16, 1, None)):
-        q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[700, 0, 333], nhead_q=hq,
-                                       nhead_k=hk, hdim=64, page=16)
+        q, k, v, bt, sk = make_problem(
+            rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[700, 0, 333], nhead_q=hq, nhead_k=hk, hdim=64, page=16
+        )
         out = np.full((3, 1, hq, 64), np.nan, np.float16)
-        out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, out=out, return_lse=True,
-                                               session=session)
+        out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, out=out, return_lse=True, session=session)
         assert session.last_variant == variants[1]
         _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
         if gp is None:
             continue  # a group of 16 has no prefill variant here
-        p2 = make_problem(rng, dtype="f16", batch=2, seqlen_q=20, seqlens_k=[20, 70], nhead_q=hq, nhead_k=hk,
-                          hdim=64, page=16)
+        p2 = make_problem(
+            rng, dtype="f16", batch=2, seqlen_q=20, seqlens_k=[20, 70], nhead_q=hq, nhead_k=hk, hdim=64, page=16
+        )
         run_and_check(session, p2, dtype="f16", mask_type="bottom_right")
         assert session.last_variant.padded_group == gp
 
@@ -157,17 +173,25 @@ def test_column_major_v_and_fp8_cache(rng):
     vcol = Variant("f16", 64, 64, 0, 0, 16, "bottom_right", v_layout="col")
     fp8 = Variant("f16", 64, 64, 0, 0, 16, "bottom_right", kv_dtype="f8e4m3fn")
     session = _built("layouts", [vcol, fp8])
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 50], nhead_q=9,
-                                   nhead_k=3, hdim=64, page=16)
-    out = turbine_fmha.fmha_fwd_paged(q, k, np.ascontiguousarray(v.transpose(0, 2, 3, 1)), bt, sk,
-                                      v_layout="col", mask_type="bottom_right", session=session)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 50], nhead_q=9, nhead_k=3, hdim=64, page=16
+    )
+    out = turbine_fmha.fmha_fwd_paged(
+        q,
+        k,
+        np.ascontiguousarray(v.transpose(0, 2, 3, 1)),
+        bt,
+        sk,
+        v_layout="col",
+        mask_type="bottom_right",
+        session=session,
+    )
     ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk, mask_type="bottom_right")
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 5e-3
     assert session.last_variant == vcol
     kq, vq = (np.nan_to_num(x).astype(ml_dtypes.float8_e4m3fn) for x in (k, v))
     out = turbine_fmha.fmha_fwd_paged(q, kq, vq, bt, sk, mask_type="bottom_right", session=session)
-    ref, _ = fmha_fwd_paged_ref(q, kq.astype(np.float32), vq.astype(np.float32), bt, sk,
-                                mask_type="bottom_right")
+    ref, _ = fmha_fwd_paged_ref(q, kq.astype(np.float32), vq.astype(np.float32), bt, sk, mask_type="bottom_right")
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 5e-3
     assert session.last_variant == fp8
 
@@ -211,7 +235,8 @@ def test_a_built_variant_is_used_before_compiling_one():
     # With nothing built, the per-group variant is compiled (one compile
     # serves every model of the group).
     assert _Listing([], "explicit", compile_missing=True).select(_call(12, 4), 5, 2) == Variant(
-        **runtime_heads(_call(12, 4)))
+        **runtime_heads(_call(12, 4))
+    )
 
 
 def test_any_group_online_serves_groups_up_to_its_padding():
@@ -240,10 +265,12 @@ def test_gpu_sessions_fall_back_to_the_any_heads_variants():
 
 def test_gpu_fallback_runs(rng):
     """The same fallback in a session, end to end on the CPU."""
-    session = _built("any-f16", [Variant("f16", 64, 64, 0, 0, 16, m) for m in ("none", "bottom_right")],
-                     formulation="online")
-    p = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[3, 200, 64], nhead_q=10, nhead_k=5,
-                     hdim=64, page=16)
+    session = _built(
+        "any-f16", [Variant("f16", 64, 64, 0, 0, 16, m) for m in ("none", "bottom_right")], formulation="online"
+    )
+    p = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[3, 200, 64], nhead_q=10, nhead_k=5, hdim=64, page=16
+    )
     run_and_check(session, p, dtype="f16")
     assert session.last_variant.formulation == "explicit" and session.last_variant.runtime_heads
 

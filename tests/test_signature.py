@@ -12,15 +12,16 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from turbine_fmha.kernels import custom_ops as kernels, signature, variants
+from turbine_fmha.build.default_sets import default_append_kernels, gpu_default_set, host_default_set
+from turbine_fmha.kernels import custom_ops as kernels
+from turbine_fmha.kernels import signature, variants
 from turbine_fmha.kernels.append_kernel import AppendKernel
 from turbine_fmha.kernels.variants import Variant
-from turbine_fmha.build.default_sets import default_append_kernels, gpu_default_set, host_default_set
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "mlir"
@@ -101,9 +102,11 @@ def test_static_dims_follow_the_formulation():
 
 
 def test_rendered_kernels_are_named_by_the_variant():
-    for v in (Variant("f16", 64, 64, 4, 2, 16, "bottom_right", sinks=True),
-              Variant("bf16", 64, 64, 4, 2, 16, "none", formulation="online", batch_tile=2, seqlen_q_tile=4),
-              AppendKernel("i8", 2, 64, 64, 16)):
+    for v in (
+        Variant("f16", 64, 64, 4, 2, 16, "bottom_right", sinks=True),
+        Variant("bf16", 64, 64, 4, 2, 16, "none", formulation="online", batch_tile=2, seqlen_q_tile=4),
+        AppendKernel("i8", 2, 64, 64, 16),
+    ):
         text = kernels.render_variant(v)
         assert f"func.func @{v.name}(" in text
         assert f"util.func private @{v.name}_impl(" in text
@@ -116,17 +119,34 @@ _IDENTITY = [
 ]
 
 
-@pytest.mark.parametrize("v", [
-    Variant("f16", 64, 64, 4, 2, 16, "none", v_layout="col"),
-    Variant("f16", 64, 64, 4, 2, 16, "top_left", bias="alibi", sinks=True),
-    Variant("bf16", 64, 64, 4, 2, 16, "bottom_right", softcap=True, kv_dtype="f8e4m3fn"),
-    Variant("f8e4m3fn", 64, 64, 4, 2, 16, "none"),
-    Variant("f32", 64, 64, 4, 4, 16, "none", bias="elementwise", bias_shape="bh"),
-    Variant("f16", 64, 64, 4, 2, 16, "none", bias="elementwise", bias_shape="11",
-            formulation="online", batch_tile=2, seqlen_q_tile=4),
-    Variant("f16", 64, 64, 4, 2, 16, "bottom_right", bias="alibi", formulation="online", batch_tile=2,
-            seqlen_q_tile=4),
-], ids=str)
+@pytest.mark.parametrize(
+    "v",
+    [
+        Variant("f16", 64, 64, 4, 2, 16, "none", v_layout="col"),
+        Variant("f16", 64, 64, 4, 2, 16, "top_left", bias="alibi", sinks=True),
+        Variant("bf16", 64, 64, 4, 2, 16, "bottom_right", softcap=True, kv_dtype="f8e4m3fn"),
+        Variant("f8e4m3fn", 64, 64, 4, 2, 16, "none"),
+        Variant("f32", 64, 64, 4, 4, 16, "none", bias="elementwise", bias_shape="bh"),
+        Variant(
+            "f16",
+            64,
+            64,
+            4,
+            2,
+            16,
+            "none",
+            bias="elementwise",
+            bias_shape="11",
+            formulation="online",
+            batch_tile=2,
+            seqlen_q_tile=4,
+        ),
+        Variant(
+            "f16", 64, 64, 4, 2, 16, "bottom_right", bias="alibi", formulation="online", batch_tile=2, seqlen_q_tile=4
+        ),
+    ],
+    ids=str,
+)
 def test_no_identity_ops(v):
     text = kernels.render_variant(v)
     for pattern in _IDENTITY:
@@ -169,20 +189,43 @@ def test_template_dir_override(tmp_path, monkeypatch):
     assert kernels.mlir_dir() == tmp_path
     a = AppendKernel("f16", 2, 64, 64, 16)
     text = kernels.PackageJinjaLoader().render(
-        "pagedkv_append", func_name="f", dt="f16",
-        sig=signature.mlir_header(signature.APPEND, list(signature.APPEND.args), signature.append_types(a)))
+        "pagedkv_append",
+        func_name="f",
+        dt="f16",
+        sig=signature.mlir_header(signature.APPEND, list(signature.APPEND.args), signature.append_types(a)),
+    )
     assert text.startswith("// overridden")
 
 
 def test_variant_names_unchanged():
     """The name codec writes exactly the names artifacts already carry."""
-    assert Variant("f16", 128, 128, 32, 8, 16, "bottom_right", bias="elementwise", bias_shape="1h",
-                   formulation="online", batch_tile=1, seqlen_q_tile=128).name == \
-        "pagedkv_fwd_f16_d128x128_h32x8_pg16_mbr_bias1h_lse_online_b1_q128"
-    assert Variant("bf16", 64, 64, 8, 8, 1, v_layout="col", kv_dtype="f8e4m3fnuz", softcap=True, sinks=True,
-                   lse=False).name == "pagedkv_fwd_bf16_d64x64_h8x8_pg1_vcol_kvf8e4m3fnuz_nmask_softcap_sink_nlse_explicit"
-    assert Variant("f16", 128, 128, 32, 8, 64, formulation="online", batch_tile=8, seqlen_q_tile=1,
-                   v_guard=False).name == "pagedkv_fwd_f16_d128x128_h32x8_pg64_nmask_lse_online_b8_q1_nvguard"
+    assert (
+        Variant(
+            "f16",
+            128,
+            128,
+            32,
+            8,
+            16,
+            "bottom_right",
+            bias="elementwise",
+            bias_shape="1h",
+            formulation="online",
+            batch_tile=1,
+            seqlen_q_tile=128,
+        ).name
+        == "pagedkv_fwd_f16_d128x128_h32x8_pg16_mbr_bias1h_lse_online_b1_q128"
+    )
+    assert (
+        Variant(
+            "bf16", 64, 64, 8, 8, 1, v_layout="col", kv_dtype="f8e4m3fnuz", softcap=True, sinks=True, lse=False
+        ).name
+        == "pagedkv_fwd_bf16_d64x64_h8x8_pg1_vcol_kvf8e4m3fnuz_nmask_softcap_sink_nlse_explicit"
+    )
+    assert (
+        Variant("f16", 128, 128, 32, 8, 64, formulation="online", batch_tile=8, seqlen_q_tile=1, v_guard=False).name
+        == "pagedkv_fwd_f16_d128x128_h32x8_pg64_nmask_lse_online_b8_q1_nvguard"
+    )
     assert AppendKernel("i8", 8, 128, 64, 16).name == "pagedkv_append_i8_h8_d128x64_pg16"
 
 

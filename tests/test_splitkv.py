@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
+
+import turbine_fmha
 from turbine_fmha.calls.mask import MaskSpec
 from turbine_fmha.calls.plan import MASKED_CHUNK_ROWS, KernelCall, decode_splits, kernel_steps, num_splits_heuristic
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 from turbine_fmha.kernels.variants import MERGE_SPLITS, MMA_ROWS, Variant, online_variant
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 def _gappy_problem(rng, dtype, sq, lens, *, max_offset, page=16):
@@ -42,12 +42,14 @@ def sessions(explicit_session, online_session):
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_kv_decode(sessions, rng, formulation, num_splits):
     lens = [int(rng.integers(0, 200)) for _ in range(5)] + [150]
-    prob = make_problem(rng, dtype="f16", batch=len(lens), seqlen_q=1, seqlens_k=lens, nhead_q=8, nhead_k=2,
-                        hdim=64, page=16)
+    prob = make_problem(
+        rng, dtype="f16", batch=len(lens), seqlen_q=1, seqlens_k=lens, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     q, k, v, bt, sk = prob
     kw = dict(mask_type="bottom_right", window_size_right=0, sinks=rng.uniform(-1, 2, 8).astype(np.float32))
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=num_splits, return_lse=True,
-                                          session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, bt, sk, num_splits=num_splits, return_lse=True, session=sessions[formulation], **kw
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
     _check(out, lse, ref, ref_lse, "f16")
     # The partial calls run without sinks (the host merge adds them once),
@@ -74,9 +76,18 @@ def test_split_kv_features_gappy(sessions, rng, formulation, feature):
     else:
         kw.update(window_size_left=int(rng.integers(5, 40)), sink_size=int(rng.integers(1, 6)))
     sk = np.array(lens, np.int32)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, sk, kv_offset=np.array(offsets, np.int32),
-                                          num_splits=int(rng.integers(2, 6)), return_lse=True,
-                                          session=sessions[formulation], **kw)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q,
+        k,
+        v,
+        table,
+        sk,
+        kv_offset=np.array(offsets, np.int32),
+        num_splits=int(rng.integers(2, 6)),
+        return_lse=True,
+        session=sessions[formulation],
+        **kw,
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, sk, kv_offset=offsets, **kw)
     _check(out, lse, ref, ref_lse, "f32")
 
@@ -91,8 +102,9 @@ def test_gappy_kv_with_bias(explicit_session, rng):
     q = rng.standard_normal((3, 4, 4, 64)).astype(np.float32)
     bias = 3 * rng.standard_normal((1, 4, 4, 40)).astype(np.float32)
     sk = np.array(lens, np.int32)
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, sk, kv_offset=np.array(offsets, np.int32), bias=bias,
-                                          return_lse=True, session=explicit_session)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, table, sk, kv_offset=np.array(offsets, np.int32), bias=bias, return_lse=True, session=explicit_session
+    )
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, sk, kv_offset=offsets, bias=bias)
     _check(out, lse, ref, ref_lse, "f32")
 
@@ -102,9 +114,12 @@ def test_auto_split_kv(rng, tmp_path):
     compute units (here declared as 64) and the sequences are long."""
     from conftest import CACHE
 
-    s = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none", compute_units=64)
-    q, k, v, bt, sk = make_problem(rng, dtype="f32", batch=1, seqlen_q=1, seqlens_k=[1500], nhead_q=4, nhead_k=2,
-                                   hdim=64, page=16)
+    s = turbine_fmha.Session(
+        "cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none", compute_units=64
+    )
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f32", batch=1, seqlen_q=1, seqlens_k=[1500], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     sinks = rng.uniform(-1, 1, 4).astype(np.float32)
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, sinks=sinks, return_lse=True, session=s)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=sinks)
@@ -125,11 +140,21 @@ def test_causal_prefill_with_block_skipping(sessions, rng, formulation):
     b, sq = 2, int(rng.integers(260, 400))
     lens = [sq + int(rng.integers(0, 100)) for _ in range(b)]
     q, k, v, table, offsets = _gappy_problem(rng, "f16", sq, lens, max_offset=30)
-    for kw in (dict(mask_type="bottom_right", window_size_right=0),
-               dict(mask_type="top_left", window_size_left=64, window_size_right=3, sink_size=4)):
-        out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, np.array(lens, np.int32),
-                                              kv_offset=np.array(offsets, np.int32), return_lse=True,
-                                              session=sessions[formulation], **kw)
+    for kw in (
+        dict(mask_type="bottom_right", window_size_right=0),
+        dict(mask_type="top_left", window_size_left=64, window_size_right=3, sink_size=4),
+    ):
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q,
+            k,
+            v,
+            table,
+            np.array(lens, np.int32),
+            kv_offset=np.array(offsets, np.int32),
+            return_lse=True,
+            session=sessions[formulation],
+            **kw,
+        )
         ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, lens, kv_offset=offsets, **kw)
         _check(out, lse, ref, ref_lse, "f16")
 
@@ -140,10 +165,23 @@ def test_causal_chunks_skip_masked_pages():
     computed."""
     v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right")
     sq = sk = 512
-    c = KernelCall(rows=sq, q_itemsize=2, nhead_q=4, block_table=np.arange(32, dtype=np.int32)[None],
-                   seqlen_q=np.array([sq], np.int32), seqlen_k=np.array([sk], np.int32),
-                   kv_shift=np.zeros(1, np.int32), scale=1.0, softcap=0.0, scale_o=1.0, scale_p=1.0,
-                   mask=MaskSpec("bottom_right", -1, 0), alibi_slopes=None, bias=None, sinks=None)
+    c = KernelCall(
+        rows=sq,
+        q_itemsize=2,
+        nhead_q=4,
+        block_table=np.arange(32, dtype=np.int32)[None],
+        seqlen_q=np.array([sq], np.int32),
+        seqlen_k=np.array([sk], np.int32),
+        kv_shift=np.zeros(1, np.int32),
+        scale=1.0,
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec("bottom_right", -1, 0),
+        alibi_slopes=None,
+        bias=None,
+        sinks=None,
+    )
     widths = [st.args[0].shape[1] for st in kernel_steps(v, c)]
     step = MASKED_CHUNK_ROWS // 16
     assert widths == [step * (i + 1) for i in range(sq // MASKED_CHUNK_ROWS)]
@@ -159,10 +197,12 @@ def test_online_decode_pads_the_group_and_splits(rng):
     in spare pages."""
     from conftest import CACHE
 
-    s = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none",
-                             formulation="online", compute_units=8)
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[1500, 700], nhead_q=4,
-                                   nhead_k=2, hdim=64, page=16)
+    s = turbine_fmha.Session(
+        "cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none", formulation="online", compute_units=8
+    )
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[1500, 700], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     sinks = rng.uniform(-1, 1, 4).astype(np.float32)
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, sinks=sinks, return_lse=True, session=s)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=sinks)
@@ -195,9 +235,12 @@ def test_group_padding_rule():
     alibi = Variant("f16", 128, 128, 32, 8, 16, "none", bias="alibi").problem
     assert online_variant(alibi, 8, 1).group_rows == 0  # per-head terms loop over query heads
     assert online_variant(Variant("f16", 128, 128, 32, 32, 16, "none").problem, 8, 1).group_rows == MMA_ROWS
-    for bad in (dict(formulation="explicit"), dict(formulation="online", batch_tile=8, seqlen_q_tile=1, bias="alibi"),
-                dict(formulation="online", batch_tile=8, seqlen_q_tile=1, nhead_k=1),
-                dict(formulation="online", batch_tile=8, seqlen_q_tile=3)):
+    for bad in (
+        dict(formulation="explicit"),
+        dict(formulation="online", batch_tile=8, seqlen_q_tile=1, bias="alibi"),
+        dict(formulation="online", batch_tile=8, seqlen_q_tile=1, nhead_k=1),
+        dict(formulation="online", batch_tile=8, seqlen_q_tile=3),
+    ):
         fields = dict(dtype="f16", hdim_q=64, hdim_v=64, nhead_q=32, nhead_k=8, page_block_size=16) | bad
         with pytest.raises(ValueError, match="group_rows"):
             Variant(**fields, group_rows=16)

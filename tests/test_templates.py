@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from jinja2 import Environment, nodes
 
-from turbine_fmha.kernels import custom_ops as kernels, signature
+from turbine_fmha.kernels import custom_ops as kernels
+from turbine_fmha.kernels import signature
 from turbine_fmha.kernels.variants import Variant, parse_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,14 +89,25 @@ def test_digests_cover_every_term_and_shape():
         assert {v.bias_shape for v in vs} == {"", "11", "b1", "1h", "bh"}
         assert {v.mask for v in vs} == {"none", "top_left", "bottom_right"}
     assert any(v.static_quant for v in variants) and any(v.kv_dtype for v in variants)
-    assert {t.stem.split(".")[0] for t in TERMS.glob("*.mlir.jinja")} == \
-        {t for v in variants for t in signature.score_terms(v)}
+    assert {t.stem.split(".")[0] for t in TERMS.glob("*.mlir.jinja")} == {
+        t for v in variants for t in signature.score_terms(v)
+    }
 
 
 # Names a skeleton's conditions must not mention: the terms (their files)
 # and the feature flags the templates once took.
-_FEATURES = {"alibi", "bias", "bias_shape", "softcap", "sinks", "sink", "static_quant", "qf8", "elementwise",
-             "per_head_terms"}
+_FEATURES = {
+    "alibi",
+    "bias",
+    "bias_shape",
+    "softcap",
+    "sinks",
+    "sink",
+    "static_quant",
+    "qf8",
+    "elementwise",
+    "per_head_terms",
+}
 
 
 def _conditions(source: str):
@@ -130,15 +142,17 @@ def test_skeletons_test_no_score_term(path):
 
 def test_the_condition_check_sees_conditions():
     src = "{% if ALIBI %}a{% elif x.bias %}b{% endif %}{{ 1 if SINKS else 2 }}{% set y = 'c' if 'softcap' in T %}"
-    assert [sorted(_mentions(t) & _FEATURES) for t in _conditions(src)] == [["alibi"], ["bias"], ["sinks"],
-                                                                            ["softcap"]]
+    assert [sorted(_mentions(t) & _FEATURES) for t in _conditions(src)] == [["alibi"], ["bias"], ["sinks"], ["softcap"]]
 
 
 def test_every_term_file_is_a_term():
     """score_terms names only files under mlir/terms/, and each term's
     tensors are declared `when` it."""
     v = Variant("f8e4m3fn", 64, 64, 8, 2, 16, softcap=True, sinks=True)
-    names = signature.score_terms(v) + signature.score_terms(Variant("f16", 64, 64, 8, 2, 16, bias="alibi")) + \
-        signature.score_terms(Variant("f16", 64, 64, 8, 2, 16, bias="elementwise", bias_shape="11"))
+    names = (
+        signature.score_terms(v)
+        + signature.score_terms(Variant("f16", 64, 64, 8, 2, 16, bias="alibi"))
+        + signature.score_terms(Variant("f16", 64, 64, 8, 2, 16, bias="elementwise", bias_shape="11"))
+    )
     assert all((TERMS / f"{t}.mlir.jinja").is_file() for t in names)
     assert {a.when for a in signature.FWD.args if a.when} <= set(names)

@@ -9,19 +9,32 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import turbine_fmha  # noqa: E402
 from conftest import OUT_TOL, make_problem  # noqa: E402
+
+import turbine_fmha  # noqa: E402
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_torch_roundtrip(explicit_session, rng, dtype):
-    prob = make_problem(rng, dtype=dtype, batch=2, seqlen_q=5, seqlens_k=[40, 9],
-                        nhead_q=4, nhead_k=2, hdim=64, page=16)
-    tq, tk, tv = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if dtype == "bf16" else torch.from_numpy(a) for a in prob[:3])
-    out, lse = turbine_fmha.fmha_fwd_paged(tq, tk, tv, torch.from_numpy(prob[3]), torch.from_numpy(prob[4]),
-                                          mask_type="bottom_right", window_size_right=0,
-                                          return_lse=True, session=explicit_session)
+    prob = make_problem(
+        rng, dtype=dtype, batch=2, seqlen_q=5, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    tq, tk, tv = (
+        torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if dtype == "bf16" else torch.from_numpy(a)
+        for a in prob[:3]
+    )
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        tq,
+        tk,
+        tv,
+        torch.from_numpy(prob[3]),
+        torch.from_numpy(prob[4]),
+        mask_type="bottom_right",
+        window_size_right=0,
+        return_lse=True,
+        session=explicit_session,
+    )
     assert isinstance(out, torch.Tensor) and out.dtype == tq.dtype and out.shape == tq.shape
     assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
     ref, _ = fmha_fwd_paged_ref(*prob, mask_type="bottom_right", window_size_right=0)
@@ -30,7 +43,9 @@ def test_torch_roundtrip(explicit_session, rng, dtype):
 
 
 def _t(a):
-    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+    return (
+        torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+    )
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -40,14 +55,21 @@ def test_torch_results_group_mode_and_splits(explicit_session, rng, num_splits):
     the torch path against the reference."""
     lens_q, lens_k = [4, 1, 0, 7], [700, 33, 5, 90]
     batch = len(lens_q)
-    q4, k, v, bt, sk = make_problem(rng, dtype="f16", batch=batch, seqlen_q=max(lens_q), seqlens_k=lens_k,
-                                    nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q4, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=batch, seqlen_q=max(lens_q), seqlens_k=lens_k, nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
     seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0,
-              sinks=rng.standard_normal(4).astype(np.float32), min_seqlen_q=1)
-    out, lse = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, return_lse=True, num_splits=num_splits,
-                                          session=explicit_session, **kw)
+    kw = dict(
+        seqstart_q=seqstart,
+        mask_type="bottom_right",
+        window_size_right=0,
+        sinks=rng.standard_normal(4).astype(np.float32),
+        min_seqlen_q=1,
+    )
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        _t(q), k, v, bt, sk, return_lse=True, num_splits=num_splits, session=explicit_session, **kw
+    )
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float16 and out.shape == (q.shape[0], 4, 64)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **{a: b for a, b in kw.items() if a != "min_seqlen_q"})
     skipped = np.repeat(np.array(lens_q) <= 1, lens_q)  # sequences with seqlen_q <= min_seqlen_q
@@ -62,10 +84,17 @@ def test_torch_results_group_mode_and_splits(explicit_session, rng, num_splits):
 def test_torch_results_match_numpy_results(online_session, rng):
     """The torch path and the numpy path run the same kernels on the same
     padded tiles: identical bits without split-KV."""
-    q, k, v, bt, sk = make_problem(rng, dtype="bf16", batch=3, seqlen_q=9, seqlens_k=[40, 9, 130],
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
-    kw = dict(mask_type="top_left", window_size_left=5, window_size_right=0, num_splits=1,
-              return_lse=True, session=online_session)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="bf16", batch=3, seqlen_q=9, seqlens_k=[40, 9, 130], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
+    kw = dict(
+        mask_type="top_left",
+        window_size_left=5,
+        window_size_right=0,
+        num_splits=1,
+        return_lse=True,
+        session=online_session,
+    )
     out_np, lse_np = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, **kw)
     out_t, lse_t = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, **kw)
     np.testing.assert_array_equal(out_t.view(torch.int16).numpy(), out_np.view(np.int16))
@@ -77,13 +106,15 @@ def test_torch_out_is_written_and_returned(explicit_session, rng):
     skipped sequences left untouched, as for numpy); a torch out with a
     numpy q, or of the wrong shape, is refused before any work."""
     lens_q = [3, 1, 2]
-    q4, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=3, seqlens_k=[20, 9, 33],
-                                    nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q4, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=3, seqlens_k=[20, 9, 33], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
     seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
     out = torch.full((q.shape[0], 4, 64), 7.0, dtype=torch.float16)
-    got = turbine_fmha.fmha_fwd_paged(_t(q), k, v, bt, sk, seqstart_q=seqstart, min_seqlen_q=1, out=out,
-                                      session=explicit_session)
+    got = turbine_fmha.fmha_fwd_paged(
+        _t(q), k, v, bt, sk, seqstart_q=seqstart, min_seqlen_q=1, out=out, session=explicit_session
+    )
     assert got is out
     ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart)
     kept = np.repeat(np.array(lens_q) > 1, lens_q)
@@ -115,8 +146,9 @@ def test_unaligned_cpu_torch_caches_are_read(explicit_session, rng):
     (a view at an offset, torch.from_numpy of an unaligned array): they are
     copied into aligned memory for the call, as such numpy caches are.
     (Writes need aligned memory: test_kv_write refuses them.)"""
-    prob = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64,
-                        page=16)
+    prob = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[40, 9], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
 
     def unaligned(a):
         t = torch.empty(a.size + 1, dtype=torch.float16)[1:].view(a.shape)
@@ -124,7 +156,14 @@ def test_unaligned_cpu_torch_caches_are_read(explicit_session, rng):
         assert t.data_ptr() % 64
         return t
 
-    out = turbine_fmha.fmha_fwd_paged(torch.from_numpy(prob[0]), unaligned(prob[1]), unaligned(prob[2]), prob[3],
-                                      prob[4], causal=True, session=explicit_session)
+    out = turbine_fmha.fmha_fwd_paged(
+        torch.from_numpy(prob[0]),
+        unaligned(prob[1]),
+        unaligned(prob[2]),
+        prob[3],
+        prob[4],
+        causal=True,
+        session=explicit_session,
+    )
     ref, _ = fmha_fwd_paged_ref(*prob, mask_type="bottom_right", window_size_right=0)
     assert np.abs(out.double().numpy() - ref).max() / np.abs(ref).max() <= OUT_TOL["f16"]

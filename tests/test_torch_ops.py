@@ -13,19 +13,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import turbine_fmha  # noqa: E402
 from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem  # noqa: E402
-from test_validation import _TrapSession  # noqa: E402
-from turbine_fmha.api import torch_ops  # noqa: E402
+
+import turbine_fmha  # noqa: E402
 from turbine_fmha import flash_attn_with_kvcache  # noqa: E402
+from turbine_fmha.api import torch_ops  # noqa: E402
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 OPS = torch.ops.turbine_fmha
-
-
-@pytest.fixture(scope="module")
-def trap(tmp_path_factory):
-    return _TrapSession("cpu", artifact_dir=tmp_path_factory.mktemp("empty"))
 
 
 def _tensors(*arrays):
@@ -71,16 +66,18 @@ class _Layer(torch.nn.Module):
         self.session = session
 
     def forward(self, q, block_table, seqlen_k):
-        out, lse = turbine_fmha.fmha_fwd_paged(q, self.k_cache, self.v_cache, block_table, seqlen_k, causal=True,
-                                               return_lse=True, session=self.session)
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q, self.k_cache, self.v_cache, block_table, seqlen_k, causal=True, return_lse=True, session=self.session
+        )
         return out * 2, lse  # torch work around the op, compiled with it
 
 
 def test_compiled_module_fullgraph_inductor(explicit_session, rng):
     """The default backend (inductor), one graph holding the op; fresh q
     each call; compiled results are the eager ones bit for bit."""
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[40, 9, 0], nhead_q=4,
-                                   nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=[40, 9, 0], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     layer = _Layer(*_tensors(k, v), explicit_session)
     graphs = []
     compiled = torch.compile(layer, fullgraph=True, backend=_recording("inductor", graphs))
@@ -107,21 +104,42 @@ def test_out_form_compiled_group_mode(explicit_session, rng):
 
     @torch.compile(fullgraph=True, dynamic=True, backend=counter)
     def attend(q, k, v, bt, sk, starts, out):
-        return turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=starts, min_seqlen_q=1, out=out,
-                                           window_size=(7, 0), return_lse=True, session=explicit_session)
+        return turbine_fmha.fmha_fwd_paged(
+            q,
+            k,
+            v,
+            bt,
+            sk,
+            seqstart_q=starts,
+            min_seqlen_q=1,
+            out=out,
+            window_size=(7, 0),
+            return_lse=True,
+            session=explicit_session,
+        )
 
     frames = []
     # total_q 12 then 13, never the pool's 11 pages (equal sizes would share one symbol).
     for lens_q in ([4, 1, 7], [2, 9, 2]):
-        q4, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=max(lens_q), seqlens_k=[50, 17, 30],
-                                        nhead_q=4, nhead_k=2, hdim=64, page=16)
+        q4, k, v, bt, sk = make_problem(
+            rng,
+            dtype="f16",
+            batch=3,
+            seqlen_q=max(lens_q),
+            seqlens_k=[50, 17, 30],
+            nhead_q=4,
+            nhead_k=2,
+            hdim=64,
+            page=16,
+        )
         q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
         starts = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
         out = torch.full((q.shape[0], 4, 64), float("nan"), dtype=torch.float16)
         got, lse = attend(*_tensors(q, k, v, bt, sk, starts), out)
         assert got is out and lse.shape == (4, q.shape[0])
-        ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=starts, mask_type="bottom_right",
-                                          window_size_left=7, window_size_right=0)
+        ref, ref_lse = fmha_fwd_paged_ref(
+            q, k, v, bt, sk, seqstart_q=starts, mask_type="bottom_right", window_size_left=7, window_size_right=0
+        )
         kept = np.repeat(np.array(lens_q) > 1, lens_q)
         assert torch.isnan(out[torch.from_numpy(~kept)]).all()
         _check(out[torch.from_numpy(kept)], ref[kept], lse[:, torch.from_numpy(kept)], ref_lse[:, kept])
@@ -140,31 +158,43 @@ def test_kvcache_and_flash_attn_compiled(explicit_session, rng):
     tq, tk, tv, trows = _tensors(q, k, v, rows)
 
     def flash(q, k, v, rows):
-        return flash_attn_with_kvcache(q, k, v, cache_seqlens=30, cache_batch_idx=rows, causal=True,
-                                       return_softmax_lse=True, session=explicit_session)
+        return flash_attn_with_kvcache(
+            q,
+            k,
+            v,
+            cache_seqlens=30,
+            cache_batch_idx=rows,
+            causal=True,
+            return_softmax_lse=True,
+            session=explicit_session,
+        )
 
     def kvcache_out(q, k, v, rows, out):
-        return turbine_fmha.fmha_fwd_kvcache(q, k, v, cache_seqlens=30, cache_batch_idx=rows, causal=True,
-                                             out=out, session=explicit_session)
+        return turbine_fmha.fmha_fwd_kvcache(
+            q, k, v, cache_seqlens=30, cache_batch_idx=rows, causal=True, out=out, session=explicit_session
+        )
 
     graphs = []
     out, lse = torch.compile(flash, fullgraph=True, backend=_recording("aot_eager", graphs))(tq, tk, tv, trows)
-    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, rows[:, None], np.full(3, 30, np.int32), mask_type="bottom_right",
-                                      window_size_right=0)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q, k, v, rows[:, None], np.full(3, 30, np.int32), mask_type="bottom_right", window_size_right=0
+    )
     _check(out, ref, lse, ref_lse)
     want, want_lse = flash(tq, tk, tv, trows)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     poisoned = torch.full_like(tq, float("nan"))
-    got = torch.compile(kvcache_out, fullgraph=True, backend=_recording("aot_eager", graphs))(tq, tk, tv, trows,
-                                                                                               poisoned)
+    got = torch.compile(kvcache_out, fullgraph=True, backend=_recording("aot_eager", graphs))(
+        tq, tk, tv, trows, poisoned
+    )
     assert got is poisoned and torch.equal(poisoned, want)
     assert {"turbine_fmha.fmha_fwd_kvcache.default", "turbine_fmha.fmha_fwd_kvcache_out.default"} <= _ops_in(graphs)
 
 
 def _op_args(rng, kind):
     if kind == "paged":
-        q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4,
-                                       nhead_k=2, hdim=64, page=16)
+        q, k, v, bt, sk = make_problem(
+            rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+        )
         return _tensors(q, k, v, bt, sk), q.shape
     k = rng.standard_normal((3, 32, 2, 64)).astype(np.float16)
     q = rng.standard_normal((2, 3, 4, 64)).astype(np.float16)
@@ -183,8 +213,11 @@ def test_opcheck(explicit_session, rng, kind, out_form):
         n = 5 if kind == "paged" else 4
         args = args[:n] + (torch.full(q_shape, float("nan"), dtype=torch.float16),) + args[n:]
     op = getattr(OPS, f"fmha_fwd_{kind}" + ("_out" if out_form else "")).default
-    torch.library.opcheck(op, args, dict(session=torch_ops.session_handle(explicit_session), mask_type="bottom_right",
-                                         window_size_right=0))
+    torch.library.opcheck(
+        op,
+        args,
+        dict(session=torch_ops.session_handle(explicit_session), mask_type="bottom_right", window_size_right=0),
+    )
 
 
 @pytest.mark.parametrize("arg", ["q", "k_cache", "v_cache"])
@@ -192,8 +225,9 @@ def test_requires_grad_is_refused(trap, explicit_session, rng, arg):
     """No backward exists: an input that requires grad raises by name,
     eager and compiled before any kernel (the trap session), and through
     the op itself (its autograd setup); with grad mode off the call runs."""
-    q, k, v, bt, sk = _tensors(*make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4,
-                                             nhead_k=2, hdim=64, page=16))
+    q, k, v, bt, sk = _tensors(
+        *make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    )
     args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk)
     args[arg] = args[arg].clone().requires_grad_(True)
     words = f"{arg} requires grad"
@@ -202,22 +236,26 @@ def test_requires_grad_is_refused(trap, explicit_session, rng, arg):
     with pytest.raises(ValueError, match=words):
         OPS.fmha_fwd_paged(*args.values(), session=torch_ops.session_handle(explicit_session))
     with pytest.raises(Exception, match=words):  # dynamo reports it as the traced code's exception
-        torch.compile(lambda a: turbine_fmha.fmha_fwd_paged(**a, session=trap), fullgraph=True,
-                      backend="aot_eager")(args)
+        torch.compile(lambda a: turbine_fmha.fmha_fwd_paged(**a, session=trap), fullgraph=True, backend="aot_eager")(
+            args
+        )
     with torch.no_grad():
         out = turbine_fmha.fmha_fwd_paged(**args, session=explicit_session)
     assert not out.requires_grad
-    assert torch.equal(out, turbine_fmha.fmha_fwd_paged(**{n: a.detach() for n, a in args.items()},
-                                                        session=explicit_session))
+    assert torch.equal(
+        out, turbine_fmha.fmha_fwd_paged(**{n: a.detach() for n, a in args.items()}, session=explicit_session)
+    )
 
 
 def test_compiled_call_takes_torch_tensors_only(trap, rng):
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2,
-                                   hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     tq, tk, tv = _tensors(q, k, v)
     with pytest.raises(Exception, match="block_table must be a torch tensor"):
-        torch.compile(lambda q: turbine_fmha.fmha_fwd_paged(q, tk, tv, bt, sk, session=trap), fullgraph=True,
-                      backend="aot_eager")(tq)
+        torch.compile(
+            lambda q: turbine_fmha.fmha_fwd_paged(q, tk, tv, bt, sk, session=trap), fullgraph=True, backend="aot_eager"
+        )(tq)
 
 
 def test_session_met_first_in_a_graph(explicit_session, trap, rng):
@@ -228,10 +266,14 @@ def test_session_met_first_in_a_graph(explicit_session, trap, rng):
     Another session is another graph that runs on it: the trap session
     refuses, rather than the first graph's session running."""
     fresh = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none")
-    q, k, v, bt, sk = _tensors(*make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4,
-                                             nhead_k=2, hdim=64, page=16))
-    attend = torch.compile(lambda q, s: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, causal=True, session=s),
-                           fullgraph=True, backend="aot_eager")
+    q, k, v, bt, sk = _tensors(
+        *make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    )
+    attend = torch.compile(
+        lambda q, s: turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, causal=True, session=s),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     out = attend(q, fresh)
     assert torch.equal(out, turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, causal=True, session=explicit_session))
     with pytest.raises(AssertionError, match="variant selected"):
@@ -256,6 +298,7 @@ def test_session_handles(tmp_path, rng):
 
 
 # -- issue 25: KV writes, errors and recompiles under torch.compile -----------
+
 
 def _dense_caches(rng, batch_cache, rows, heads, hdim):
     """Caches in torch's own (64-byte aligned) memory, which KV writes need."""
@@ -286,10 +329,30 @@ def test_compiled_kv_writes_build_their_kernels_on_first_use(tmp_path, rng, capl
     slots = torch.tensor([[0 * 16 + 6], [2 * 16 + 7]])  # cache rows 0 and 2, positions 6 and 7
 
     def step(q, kc, vc, k_new, v_new):
-        out, lse = flash_attn_with_kvcache(q, kc, vc, k=k_new, v=v_new, cache_seqlens=5, cache_batch_idx=rows,
-                                           causal=True, return_softmax_lse=True, session=session)
-        q_rot = turbine_fmha.reshape_and_cache(k_new, v_new, kc, vc, slots, q=q, rotary_cos=cos, rotary_sin=sin,
-                                               seqlen_k=torch.tensor([6, 7]), session=session)
+        out, lse = flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k=k_new,
+            v=v_new,
+            cache_seqlens=5,
+            cache_batch_idx=rows,
+            causal=True,
+            return_softmax_lse=True,
+            session=session,
+        )
+        q_rot = turbine_fmha.reshape_and_cache(
+            k_new,
+            v_new,
+            kc,
+            vc,
+            slots,
+            q=q,
+            rotary_cos=cos,
+            rotary_sin=sin,
+            seqlen_k=torch.tensor([6, 7]),
+            session=session,
+        )
         return out * 1, lse, q_rot
 
     eager_kc, eager_vc = kc.clone(), vc.clone()
@@ -304,8 +367,15 @@ def test_compiled_kv_writes_build_their_kernels_on_first_use(tmp_path, rng, capl
     assert torch.equal(vc.view(torch.int16), eager_vc.view(torch.int16))
     # Attention saw cache rows 3 and 1 with their new key 5; the later
     # writes went to rows 0 and 2.
-    ref, ref_lse = fmha_fwd_paged_ref(q.numpy(), kc.numpy(), vc.numpy(), rows.numpy()[:, None],
-                                      np.full(2, 6, np.int32), mask_type="bottom_right", window_size_right=0)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q.numpy(),
+        kc.numpy(),
+        vc.numpy(),
+        rows.numpy()[:, None],
+        np.full(2, 6, np.int32),
+        mask_type="bottom_right",
+        window_size_right=0,
+    )
     _check(got[0], ref, got[1], ref_lse)
 
 
@@ -317,14 +387,21 @@ def test_compiled_in_call_append_errors_keep_their_type(trap, rng):
     kc, vc = _dense_caches(rng, 2, 16, 2, 64)
     q = torch.zeros(2, 1, 4, 64, dtype=torch.float16)
     cos = torch.ones(8, 8)
-    compiled = torch.compile(lambda q, kc, vc: flash_attn_with_kvcache(
-        q, kc, vc, rotary_cos=cos, rotary_sin=cos, cache_seqlens=3, session=trap), fullgraph=True,
-        backend="aot_eager")
+    compiled = torch.compile(
+        lambda q, kc, vc: flash_attn_with_kvcache(
+            q, kc, vc, rotary_cos=cos, rotary_sin=cos, cache_seqlens=3, session=trap
+        ),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     with pytest.raises(NotImplementedError, match="rotary_cos/rotary_sin without k/v"):
         compiled(q, kc, vc)
     k_new = torch.zeros(2, 1, 2, 64, dtype=torch.float16)
-    compiled = torch.compile(lambda q, kc, vc, k: flash_attn_with_kvcache(
-        q, kc, vc, k=k, v=k, session=trap), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda q, kc, vc, k: flash_attn_with_kvcache(q, kc, vc, k=k, v=k, session=trap),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     with pytest.raises(ValueError, match="cache_seqlens is required with k/v"):
         compiled(q, kc, vc, k_new)
 
@@ -346,8 +423,9 @@ def test_dynamic_shapes_one_graph_across_pools_and_batches(explicit_session, rng
     # Pools of 4 + 3, 6 + 3 and 8 + 3 pages, tables 3 wide: no size equals
     # another (duck sizing would tie them).
     for batch in (4, 6, 8):
-        p = make_problem(rng, dtype="f16", batch=batch, seqlen_q=1, seqlens_k=[20] * batch, nhead_q=10,
-                         nhead_k=5, hdim=64, page=32)
+        p = make_problem(
+            rng, dtype="f16", batch=batch, seqlen_q=1, seqlens_k=[20] * batch, nhead_q=10, nhead_k=5, hdim=64, page=32
+        )
         out = compiled(*_tensors(*p))
         ref, _ = fmha_fwd_paged_ref(*p, mask_type="bottom_right", window_size_right=0)
         _check(out, ref)
@@ -355,15 +433,17 @@ def test_dynamic_shapes_one_graph_across_pools_and_batches(explicit_session, rng
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend=counter)
-    p = make_problem(rng, dtype="f16", batch=11, seqlen_q=1, seqlens_k=[20] * 11, nhead_q=16, nhead_k=8,
-                     hdim=64, page=32)
+    p = make_problem(
+        rng, dtype="f16", batch=11, seqlen_q=1, seqlens_k=[20] * 11, nhead_q=16, nhead_k=8, hdim=64, page=32
+    )
     q, k, v, bt, sk = _tensors(*p)
     torch._dynamo.mark_static(k)
     torch._dynamo.mark_static(v)
     for batch in (8, 9, 10, 11):
         out = compiled(q[:batch], k, v, bt[:batch], sk[:batch])
-        ref, _ = fmha_fwd_paged_ref(p[0][:batch], p[1], p[2], p[3][:batch], p[4][:batch],
-                                    mask_type="bottom_right", window_size_right=0)
+        ref, _ = fmha_fwd_paged_ref(
+            p[0][:batch], p[1], p[2], p[3][:batch], p[4][:batch], mask_type="bottom_right", window_size_right=0
+        )
         _check(out, ref)
     assert counter.frame_count == 1, "recompiled when the batch left the KV head count"
 
@@ -381,14 +461,31 @@ def _requires_grad_calls(rng, session):
     return [
         ("q", lambda: OPS.fmha_fwd_paged(q, *args[1:], **h), ()),
         ("q", lambda: OPS.fmha_fwd_paged_out(q, *args[1:5], out, **h), (out,)),
-        ("q", lambda: OPS.fmha_fwd_kvcache_out(kv_args[0].clone().requires_grad_(True), *kv_args[1:4], out,
-                                               kv_args[4], **h), (out,)),
-        ("k", lambda: OPS.reshape_and_cache(new.clone().requires_grad_(True), new, kc, vc, torch.tensor([3]), **h),
-         (kc, vc)),
-        ("k", lambda: OPS.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=torch.float16), kc, vc,
-                                                  new[None].expand(2, 1, 2, 64).clone().requires_grad_(True),
-                                                  new[None].expand(2, 1, 2, 64), cache_seqlens=torch.tensor([2, 3]),
-                                                  **h), (kc, vc)),
+        (
+            "q",
+            lambda: OPS.fmha_fwd_kvcache_out(
+                kv_args[0].clone().requires_grad_(True), *kv_args[1:4], out, kv_args[4], **h
+            ),
+            (out,),
+        ),
+        (
+            "k",
+            lambda: OPS.reshape_and_cache(new.clone().requires_grad_(True), new, kc, vc, torch.tensor([3]), **h),
+            (kc, vc),
+        ),
+        (
+            "k",
+            lambda: OPS.flash_attn_with_kvcache(
+                torch.zeros(2, 1, 4, 64, dtype=torch.float16),
+                kc,
+                vc,
+                new[None].expand(2, 1, 2, 64).clone().requires_grad_(True),
+                new[None].expand(2, 1, 2, 64),
+                cache_seqlens=torch.tensor([2, 3]),
+                **h,
+            ),
+            (kc, vc),
+        ),
     ]
 
 
@@ -403,7 +500,7 @@ def test_every_op_refuses_requires_grad_before_running(explicit_session, rng):
             call()
         for t, b in zip(untouched, before):
             assert torch.equal(t.view(torch.int16), b.view(torch.int16))
-    for name, call, _ in _requires_grad_calls(rng, explicit_session):
+    for _, call, _ in _requires_grad_calls(rng, explicit_session):
         with torch.no_grad():
             result = call()
         results = result if isinstance(result, tuple) else (result,)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import turbine_fmha
 from conftest import make_problem
 from test_modes import _check, _gappy_table, _pool
+
+import turbine_fmha
 from turbine_fmha.calls.plan import stale_rows_finite
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -27,9 +27,17 @@ def _run(session, q, k, v, bt, sk, **kw):
 @pytest.mark.parametrize("seqlen_q", [1, 9])
 def test_clean_cache_runs_unguarded(online_session, rng, seqlen_q):
     # NaN only in spare pages, reachable through garbage slots: never read.
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=4, seqlen_q=seqlen_q,
-                                   seqlens_k=[int(rng.integers(seqlen_q, 70)) for _ in range(4)],
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=4,
+        seqlen_q=seqlen_q,
+        seqlens_k=[int(rng.integers(seqlen_q, 70)) for _ in range(4)],
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
     variant = _run(online_session, q, k, v, bt, sk, mask_type="bottom_right", window_size_right=0)
     assert not variant.v_guard
 
@@ -40,11 +48,12 @@ def test_nonfinite_stale_keys_run_unguarded(online_session, rng, poison):
     the unguarded kernel is chosen (the score sentinel and the mask remove
     those keys), and the results are exact."""
     lens = [17, 40, 3, 64]
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=4, seqlen_q=2, seqlens_k=lens,
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=4, seqlen_q=2, seqlens_k=lens, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     q[...] = np.abs(q)  # with positive K too, +Inf rows give +Inf scores
     for b in range(3):
-        k[bt[b, (lens[b] - 1) // 16], lens[b] % 16:] = poison
+        k[bt[b, (lens[b] - 1) // 16], lens[b] % 16 :] = poison
     variant = _run(online_session, q, k, v, bt, sk, mask_type="bottom_right", window_size_right=0)
     assert not variant.v_guard
 
@@ -52,8 +61,9 @@ def test_nonfinite_stale_keys_run_unguarded(online_session, rng, poison):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_nan_past_seqlen_k_runs_guarded(online_session, rng, num_splits):
     lens = [17, 40, 3, 64]  # 64 fills its last page: no tail there
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=4, seqlen_q=1, seqlens_k=lens,
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=4, seqlen_q=1, seqlens_k=lens, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
     b = int(rng.integers(0, 3))
     last = bt[b, (lens[b] - 1) // 16]
     v[last, lens[b] % 16 :] = np.nan
@@ -88,8 +98,19 @@ def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, onl
     flags restore what its score-side NaN drop loses)."""
     session = explicit_session if formulation == "explicit" else online_session
     lens = [40, 33, 17]
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=5, seqlens_k=lens,
-                                   nhead_q=8, nhead_k=2, hdim=64, page=16, spare_pages=0, extra_slots=0)
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=3,
+        seqlen_q=5,
+        seqlens_k=lens,
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+        spare_pages=0,
+        extra_slots=0,
+    )
     q[0, 2, 3, 7] = np.nan  # one query row of one head
     k[bt[1, 0], 4, 1, 0] = np.nan  # key 4 of sequence 1, KV head 1 (query heads 4-7)
     v[bt[2, 1], 0, 0, 5] = np.nan  # key 16 of sequence 2, KV head 0, one dim
@@ -116,8 +137,9 @@ def test_stale_rows_check_on_torch_caches(rng, poison):
     torch = pytest.importorskip("torch")
 
     page, lens, shift = 16, [17, 40, 5], np.array([0, 0, 3], np.int32)
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 8],
-                                   nhead_q=4, nhead_k=2, hdim=32, page=page)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[17, 40, 8], nhead_q=4, nhead_k=2, hdim=32, page=page
+    )
     sk = np.array(lens, np.int32)
     if poison == "k_tail":
         k[bt[0, 1], 5, 1, 3] = np.inf  # key 21 of sequence 0 (it has 17)
@@ -141,8 +163,19 @@ def test_nan_seen_or_not_through_a_window(explicit_session, online_session, rng,
     reaches only the row whose window holds it; NaN q rows with a key are
     NaN. With stale NaN in the pages, the guarded online kernel must agree."""
     session = explicit_session if formulation == "explicit" else online_session
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=2, seqlen_q=6, seqlens_k=[4, 21],
-                                   nhead_q=4, nhead_k=2, hdim=32, page=16, spare_pages=0, extra_slots=0)
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=2,
+        seqlen_q=6,
+        seqlens_k=[4, 21],
+        nhead_q=4,
+        nhead_k=2,
+        hdim=32,
+        page=16,
+        spare_pages=0,
+        extra_slots=0,
+    )
     q[0, 0, 1, 3] = np.nan  # row 0 of sequence 0 sees no key (4 keys, 6 rows)
     q[0, 4, 2, 0] = np.nan  # row 4 sees key 2
     k[bt[1, 1], 0, 0, 7] = np.nan  # key 16 of sequence 1: row 1 only (shift 15), heads 0-1
@@ -177,8 +210,13 @@ def test_nan_in_a_sink_token_with_gappy_kv(explicit_session, online_session, rng
     k[table[1, 1], 2 + 3, 0, 0] = np.nan  # key 3 of sequence 1: passed by every window
     if formulation == "online_guarded":
         v[table[0, 0], :5] = np.nan  # the 5 skipped rows of sequence 0's first page
-    kw = dict(mask_type="bottom_right", window_size_left=4, window_size_right=0, sink_size=2,
-              kv_offset=np.array(offsets, np.int32))
+    kw = dict(
+        mask_type="bottom_right",
+        window_size_left=4,
+        window_size_right=0,
+        sink_size=2,
+        kv_offset=np.array(offsets, np.int32),
+    )
     sk = np.array(lens, np.int32)
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, table, sk, return_lse=True, session=session, **kw)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, sk, **kw)
@@ -201,8 +239,19 @@ def test_inf_in_visible_data_like_the_reference(explicit_session, online_session
     With "online_guarded" NaN also sits in stale rows."""
     session = explicit_session if formulation == "explicit" else online_session
     lens = [40, 33, 17, 20]
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=4, seqlen_q=3, seqlens_k=lens,
-                                   nhead_q=4, nhead_k=2, hdim=32, page=16, spare_pages=0, extra_slots=0)
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=4,
+        seqlen_q=3,
+        seqlens_k=lens,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=32,
+        page=16,
+        spare_pages=0,
+        extra_slots=0,
+    )
     q[0, 1, 0, :] = np.abs(q[0, 1, 0, :])
     k[bt[0, 0], :, 0, :] = np.abs(k[bt[0, 0], :, 0, :])
     q[0, 1, 0, 5] = np.inf  # positive scores against keys 0-15 of head 0: +Inf -> NaN row
@@ -240,8 +289,19 @@ def test_nan_or_inf_in_a_key_some_rows_do_not_see(explicit_session, online_sessi
     "online_guarded" the stale rows past the 8 keys hold NaN V and +Inf
     K, which must not leak either."""
     session = explicit_session if formulation == "explicit" else online_session
-    q, k, v, bt, sk = make_problem(rng, dtype="f16", batch=1, seqlen_q=8, seqlens_k=[8],
-                                   nhead_q=2, nhead_k=1, hdim=32, page=16, spare_pages=0, extra_slots=0)
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=1,
+        seqlen_q=8,
+        seqlens_k=[8],
+        nhead_q=2,
+        nhead_k=1,
+        hdim=32,
+        page=16,
+        spare_pages=0,
+        extra_slots=0,
+    )
     q[...] = np.abs(q)
     if poison == "nan":
         k[bt[0, 0], 6, 0, 3] = np.nan

@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import turbine_fmha
 from conftest import make_problem, run_and_check
 
-
-class _TrapSession(turbine_fmha.Session):
-    """A session whose kernels must never be reached."""
-
-    def run_variants(self, *a, **k):  # pragma: no cover - reaching it fails the test
-        raise AssertionError("kernel ran on invalid input")
-
-    run_variant = run_variants
-
-    def select(self, *a, **k):
-        raise AssertionError("variant selected for invalid input")
-
-
-@pytest.fixture(scope="module")
-def trap(tmp_path_factory):
-    return _TrapSession("cpu", artifact_dir=tmp_path_factory.mktemp("empty"))
+import turbine_fmha
 
 
 def _good(rng):
-    return make_problem(rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5],
-                        nhead_q=4, nhead_k=2, hdim=64, page=16)
+    return make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=3, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
 
 
 def _call(session, q, k, v, bt, sk, **kw):
@@ -49,15 +33,31 @@ BAD = {
     "bt_float": (lambda p: (*p[:3], p[3].astype(np.float32), p[4], p[5]), TypeError, ["block_table", "integer"]),
     "bt_rows": (lambda p: (*p[:3], p[3][:1], p[4], p[5]), ValueError, ["block_table", "rows"]),
     "bt_negative_used": (lambda p: (*p[:3], _set(p[3], (0, 0), -1), p[4], p[5]), ValueError, ["block_table[0, 0]"]),
-    "bt_out_of_range_used": (lambda p: (*p[:3], _set(p[3], (1, 0), 10**6), p[4], p[5]), ValueError, ["block_table[1, 0]"]),
+    "bt_out_of_range_used": (
+        lambda p: (*p[:3], _set(p[3], (1, 0), 10**6), p[4], p[5]),
+        ValueError,
+        ["block_table[1, 0]"],
+    ),
     "seqlen_k_negative": (lambda p: (*p[:4], np.array([-1, 5], np.int32), p[5]), ValueError, ["seqlen_k", ">= 0"]),
-    "seqlen_k_capacity": (lambda p: (*p[:4], np.array([20, 10**6], np.int32), p[5]), ValueError, ["seqlen_k[1]", "capacity"]),
+    "seqlen_k_capacity": (
+        lambda p: (*p[:4], np.array([20, 10**6], np.int32), p[5]),
+        ValueError,
+        ["seqlen_k[1]", "capacity"],
+    ),
     "seqlen_k_len": (lambda p: (*p[:4], p[4][:1], p[5]), ValueError, ["seqlen_k", "entries"]),
     "seqlen_k_float": (lambda p: (*p[:4], p[4].astype(np.float32), p[5]), TypeError, ["seqlen_k"]),
     "mask_type": (lambda p: (*p[:5], dict(mask_type="causal")), ValueError, ["mask_type"]),
     "window_without_mask": (lambda p: (*p[:5], dict(window_size_left=4)), ValueError, ["window_size_left"]),
-    "window_below_minus_one": (lambda p: (*p[:5], dict(mask_type="top_left", window_size_right=-2)), ValueError, ["window_size_right"]),
-    "window_float": (lambda p: (*p[:5], dict(mask_type="top_left", window_size_left=1.5)), TypeError, ["window_size_left"]),
+    "window_below_minus_one": (
+        lambda p: (*p[:5], dict(mask_type="top_left", window_size_right=-2)),
+        ValueError,
+        ["window_size_right"],
+    ),
+    "window_float": (
+        lambda p: (*p[:5], dict(mask_type="top_left", window_size_left=1.5)),
+        TypeError,
+        ["window_size_left"],
+    ),
     "scale_str": (lambda p: (*p[:5], dict(scale="0.1")), TypeError, ["scale"]),
     "scale_nan": (lambda p: (*p[:5], dict(scale=float("nan"))), TypeError, ["scale"]),
     "return_lse_int": (lambda p: (*p[:5], dict(return_lse=1)), TypeError, ["return_lse"]),
@@ -67,19 +67,55 @@ BAD = {
     # give NaN) later.
     "nhead_q_zero": (lambda p: (p[0][:, :, :0], *p[1:]), ValueError, ["nhead_q"]),
     "scale_overflows_f32": (lambda p: (*p[:5], dict(scale=1e39)), ValueError, ["scale", "float32"]),
-    "softcap_overflows_f32": (lambda p: (*p[:5], dict(logits_soft_cap=1e39)), ValueError, ["logits_soft_cap", "float32"]),
-    "alibi_overflows_f32": (lambda p: (*p[:5], dict(alibi_slopes=np.full(4, 1e39))), ValueError, ["alibi_slopes", "float32"]),
-    "alibi_nan": (lambda p: (*p[:5], dict(alibi_slopes=np.array([1, np.nan, 1, 1], np.float32))), ValueError, ["alibi_slopes[1]", "finite"]),
-    "alibi_inf": (lambda p: (*p[:5], dict(alibi_slopes=np.array([1, 1, 1, np.inf], np.float32))), ValueError, ["alibi_slopes[3]", "finite"]),
-    "alibi_term_overflows": (lambda p: (*p[:5], dict(alibi_slopes=np.full(4, 1e38, np.float32), mask_type="bottom_right",
-                                                     window_size_right=0)), ValueError, ["alibi_slopes", "overflow"]),
-    "sinks_nan": (lambda p: (*p[:5], dict(sinks=np.array([0, 0, np.nan, 0], np.float32))), ValueError, ["sinks[2]", "finite"]),
-    "sinks_inf": (lambda p: (*p[:5], dict(sinks=np.array([-np.inf, 0, 0, 0], np.float32))), ValueError, ["sinks[0]", "finite"]),
+    "softcap_overflows_f32": (
+        lambda p: (*p[:5], dict(logits_soft_cap=1e39)),
+        ValueError,
+        ["logits_soft_cap", "float32"],
+    ),
+    "alibi_overflows_f32": (
+        lambda p: (*p[:5], dict(alibi_slopes=np.full(4, 1e39))),
+        ValueError,
+        ["alibi_slopes", "float32"],
+    ),
+    "alibi_nan": (
+        lambda p: (*p[:5], dict(alibi_slopes=np.array([1, np.nan, 1, 1], np.float32))),
+        ValueError,
+        ["alibi_slopes[1]", "finite"],
+    ),
+    "alibi_inf": (
+        lambda p: (*p[:5], dict(alibi_slopes=np.array([1, 1, 1, np.inf], np.float32))),
+        ValueError,
+        ["alibi_slopes[3]", "finite"],
+    ),
+    "alibi_term_overflows": (
+        lambda p: (
+            *p[:5],
+            dict(alibi_slopes=np.full(4, 1e38, np.float32), mask_type="bottom_right", window_size_right=0),
+        ),
+        ValueError,
+        ["alibi_slopes", "overflow"],
+    ),
+    "sinks_nan": (
+        lambda p: (*p[:5], dict(sinks=np.array([0, 0, np.nan, 0], np.float32))),
+        ValueError,
+        ["sinks[2]", "finite"],
+    ),
+    "sinks_inf": (
+        lambda p: (*p[:5], dict(sinks=np.array([-np.inf, 0, 0, 0], np.float32))),
+        ValueError,
+        ["sinks[0]", "finite"],
+    ),
     "out_is_q": (lambda p: (*p[:5], dict(out=p[0])), ValueError, ["out overlaps q"]),
-    "out_in_k_cache": (lambda p: (*p[:5], dict(out=p[1].reshape(-1)[: p[0].size].reshape(p[0].shape))), ValueError,
-                       ["out overlaps k_cache"]),
-    "out_in_v_cache": (lambda p: (*p[:5], dict(out=p[2].reshape(-1)[-p[0].size:].reshape(p[0].shape))), ValueError,
-                       ["out overlaps v_cache"]),
+    "out_in_k_cache": (
+        lambda p: (*p[:5], dict(out=p[1].reshape(-1)[: p[0].size].reshape(p[0].shape))),
+        ValueError,
+        ["out overlaps k_cache"],
+    ),
+    "out_in_v_cache": (
+        lambda p: (*p[:5], dict(out=p[2].reshape(-1)[-p[0].size :].reshape(p[0].shape))),
+        ValueError,
+        ["out overlaps v_cache"],
+    ),
     "out_under_bias": (lambda p: (*p[:5], _out_and_bias(p[0])), ValueError, ["out overlaps bias"]),
 }
 
@@ -120,8 +156,7 @@ def test_tensor_on_wrong_device(trap, rng, arg):
     same branch (arrays._check_tensor_devices)."""
     torch = pytest.importorskip("torch")
     q, k, v, bt, sk = _good(rng)
-    args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk,
-                bias=np.zeros((1, 1, 3, 32), np.float32))
+    args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk, bias=np.zeros((1, 1, 3, 32), np.float32))
     args[arg] = torch.from_numpy(np.ascontiguousarray(args[arg])).to("meta")
     with pytest.raises(ValueError, match=rf"{arg} is a torch tensor on meta, but the session runs on 'cpu'"):
         turbine_fmha.fmha_fwd_paged(session=trap, **args)
@@ -161,8 +196,9 @@ def test_inputs_untouched_and_session_usable_after_errors(explicit_session, rng)
 
 
 def test_non_contiguous_inputs(explicit_session, rng):
-    q, k, v, bt, sk = make_problem(rng, dtype="f32", batch=2, seqlen_q=6, seqlens_k=[30, 17],
-                                   nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f32", batch=2, seqlen_q=6, seqlens_k=[30, 17], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
     q_strided = np.asfortranarray(q)
     bt_strided = np.repeat(bt, 2, axis=1)[:, ::2]
     assert not q_strided.flags.c_contiguous and not bt_strided.flags.c_contiguous
@@ -194,16 +230,30 @@ def test_windows_and_sinks_past_int32_are_unbounded(explicit_session, rng):
     prob = _good(rng)
     slopes = rng.uniform(0.01, 0.5, 4).astype(np.float32)
     for left, right, sink in ((2**31, 2**40, 2**31), (2**40, 0, 2**63), (3, 2**33, 2**31 - 1)):
-        run_and_check(explicit_session, prob, dtype="f16", mask_type="bottom_right", window_size_left=left,
-                      window_size_right=right, sink_size=sink, alibi_slopes=slopes)
+        run_and_check(
+            explicit_session,
+            prob,
+            dtype="f16",
+            mask_type="bottom_right",
+            window_size_left=left,
+            window_size_right=right,
+            sink_size=sink,
+            alibi_slopes=slopes,
+        )
 
 
 def test_negative_and_zero_alibi_slopes(explicit_session, rng):
     """Slopes of any sign are accepted and follow the same formula as
     positive ones (ck_tile computes slope * distance whatever the sign)."""
     prob = _good(rng)
-    run_and_check(explicit_session, prob, dtype="f16", mask_type="bottom_right", window_size_right=0,
-                  alibi_slopes=np.array([-0.3, 0.0, 0.2, -1.0], np.float32))
+    run_and_check(
+        explicit_session,
+        prob,
+        dtype="f16",
+        mask_type="bottom_right",
+        window_size_right=0,
+        alibi_slopes=np.array([-0.3, 0.0, 0.2, -1.0], np.float32),
+    )
 
 
 def test_torch_tensor_subclasses_are_tensors(explicit_session, rng):
@@ -216,6 +266,12 @@ def test_torch_tensor_subclasses_are_tensors(explicit_session, rng):
 
     q, k, v, bt, sk = _good(rng)
     want = _call(explicit_session, torch.from_numpy(q), k, v, bt, sk)
-    got = _call(explicit_session, torch.from_numpy(q).as_subclass(MyT), torch.from_numpy(k).as_subclass(MyT),
-                v, torch.from_numpy(bt).as_subclass(MyT), sk)
+    got = _call(
+        explicit_session,
+        torch.from_numpy(q).as_subclass(MyT),
+        torch.from_numpy(k).as_subclass(MyT),
+        v,
+        torch.from_numpy(bt).as_subclass(MyT),
+        sk,
+    )
     assert torch.equal(got.as_subclass(torch.Tensor), want)

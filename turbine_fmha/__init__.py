@@ -7,13 +7,12 @@ layer importing only the ones below it: core, kernels, build, calls,
 testing, runtime, api, integrations, cli (docs/architecture.md).
 """
 
-from .core.version import VERSION as __version__
-
 from .api.attention import PagedAttention
 from .api.cache import CacheFullError, PagedKVCache, aligned_zeros
 from .api.eager import fmha_fwd_paged_async
-from .api.public import fmha_fwd_kvcache, fmha_fwd_paged, flash_attn_with_kvcache, reshape_and_cache
+from .api.public import flash_attn_with_kvcache, fmha_fwd_kvcache, fmha_fwd_paged, reshape_and_cache
 from .build.artifacts import ArtifactError
+from .core.version import VERSION as __version__
 from .kernels.variants import Variant
 from .runtime.session import Session
 from .testing.reference import fmha_fwd_paged_ref

@@ -59,16 +59,20 @@ def pad_group(mlir: str, gp: int, dt: str = "f16", B: int = B) -> str:
             out.append(line)
             var = line.split("=")[0].strip()
             out.append(f"    %qpad_zero = arith.constant 0.0 : {dt}")
-            out.append(f"    %qpad = tensor.pad {var} low[0, 0, 0, 0, 0] high[0, 0, {gp - G}, 0, 0] {{\n"
-                       f"    ^bb0(%p0: index, %p1: index, %p2: index, %p3: index, %p4: index):\n"
-                       f"      tensor.yield %qpad_zero : {dt}\n"
-                       f"    }} : tensor<{pre}x{D}x{dt}> to tensor<{padded}x{D}x{dt}>")
+            out.append(
+                f"    %qpad = tensor.pad {var} low[0, 0, 0, 0, 0] high[0, 0, {gp - G}, 0, 0] {{\n"
+                f"    ^bb0(%p0: index, %p1: index, %p2: index, %p3: index, %p4: index):\n"
+                f"      tensor.yield %qpad_zero : {dt}\n"
+                f"    }} : tensor<{pre}x{D}x{dt}> to tensor<{padded}x{D}x{dt}>"
+            )
             out.append(f"    %accp_e = tensor.empty() : tensor<{padded}x{D}xf32>")
             out.append(f"    %rp_e = tensor.empty() : tensor<{padded}xf32>")
             qvar = var
             continue
         if "linalg.fill" in line and f"tensor<{pre}" in line and not after_op:
-            line = re.sub(r"outs\((%\w+) : tensor<" + pre + r"x128xf32>\)", f"outs(%accp_e : tensor<{padded}x{D}xf32>)", line)
+            line = re.sub(
+                r"outs\((%\w+) : tensor<" + pre + r"x128xf32>\)", f"outs(%accp_e : tensor<{padded}x{D}xf32>)", line
+            )
             line = re.sub(r"outs\((%\w+) : tensor<" + pre + r"xf32>\)", f"outs(%rp_e : tensor<{padded}xf32>)", line)
             line = line.replace(f"tensor<{pre}", f"tensor<{padded}")
             out.append(line)
@@ -83,11 +87,15 @@ def pad_group(mlir: str, gp: int, dt: str = "f16", B: int = B) -> str:
         if in_op and line.strip().startswith("} ->"):
             in_op, after_op = False, True
             out.append(line.replace(f"tensor<{pre}", f"tensor<{padded}"))
-            out.append(f"    %attp0 = tensor.extract_slice %attp#0[0, 0, 0, 0, 0] [{B}, {HK}, {G}, 1, {D}] [1, 1, 1, 1, 1]"
-                       f" : tensor<{padded}x{D}xf32> to tensor<{pre}x{D}xf32>")
+            out.append(
+                f"    %attp0 = tensor.extract_slice %attp#0[0, 0, 0, 0, 0] [{B}, {HK}, {G}, 1, {D}] [1, 1, 1, 1, 1]"
+                f" : tensor<{padded}x{D}xf32> to tensor<{pre}x{D}xf32>"
+            )
             for i in (1, 2):
-                out.append(f"    %attp{i} = tensor.extract_slice %attp#{i}[0, 0, 0, 0] [{B}, {HK}, {G}, 1] [1, 1, 1, 1]"
-                           f" : tensor<{padded}xf32> to tensor<{pre}xf32>")
+                out.append(
+                    f"    %attp{i} = tensor.extract_slice %attp#{i}[0, 0, 0, 0] [{B}, {HK}, {G}, 1] [1, 1, 1, 1]"
+                    f" : tensor<{padded}xf32> to tensor<{pre}xf32>"
+                )
             continue
         if after_op:
             for i in (0, 1, 2):
@@ -101,15 +109,20 @@ def subgroups_on_head_dim(n: int):
     """A configuration edit: on top of tuning.py's (head dim whole), `n`
     subgroups per workgroup, each computing 128 / n of the output's head
     dim (PV) while sharing the scores (QK, replicated)."""
+
     def edit(configured: str, untile):
         text = untile(configured) or (configured if "online_attention" in configured else None)
         if text is None or n == 1:
             return text
         text = re.sub(r"(pipeline<VectorDistribute> workgroup_size = \[)32(, 1, 1\])", rf"\g<1>{32 * n}\2", text)
-        return text.replace("subgroup_basis = [[1, 1, 1, 1, 1, 1, 1], [0, 1, 2, 3, 5, 6]]",
-                            f"subgroup_basis = [[1, 1, 1, {n}, 1, 1, 1], [0, 1, 2, 3, 5, 6]]").replace(
-                            "subgroup_basis = [[1, 1, 1, 1, 1, 1, 1], [0, 1, 2, 4, 5, 6]]",
-                            f"subgroup_basis = [[1, 1, 1, {n}, 1, 1, 1], [0, 1, 2, 4, 5, 6]]")
+        return text.replace(
+            "subgroup_basis = [[1, 1, 1, 1, 1, 1, 1], [0, 1, 2, 3, 5, 6]]",
+            f"subgroup_basis = [[1, 1, 1, {n}, 1, 1, 1], [0, 1, 2, 3, 5, 6]]",
+        ).replace(
+            "subgroup_basis = [[1, 1, 1, 1, 1, 1, 1], [0, 1, 2, 4, 5, 6]]",
+            f"subgroup_basis = [[1, 1, 1, {n}, 1, 1, 1], [0, 1, 2, 4, 5, 6]]",
+        )
+
     return edit
 
 
@@ -159,8 +172,9 @@ def build(out: Path, target: str = "cuda", only: str | None = None) -> None:
         elif edit is not None:
             tuning.untile_head_dim = lambda text, edit=edit: edit(text, untile)
         try:
-            seconds, report, _ = compiler._compile_one(mlir, name_of(bt, page), (out / f"{tag}.vmfb").resolve(),
-                                                       targets.TARGETS[target])
+            seconds, report, _ = compiler._compile_one(
+                mlir, name_of(bt, page), (out / f"{tag}.vmfb").resolve(), targets.TARGETS[target]
+            )
         except RuntimeError as e:
             print(f"{tag}: FAILED {str(e)[-600:]}", flush=True)
             continue
@@ -192,9 +206,17 @@ def _inputs(dev, logical, rng, splits: int, page: int):
     pool_v[perm] = v.reshape(pages, page, HK, D)
     table = perm.reshape(B, KEYS // page).astype(np.int32)
     n = B * splits
-    args = [np.repeat(q, splits, axis=0), pool_k, pool_v, table.reshape(n, -1), np.ones(n, np.int32),
-            np.full(n, KEYS // splits, np.int32), np.zeros(n, np.int32),
-            np.array([D ** -0.5, 0.0, 1.0, 1.0], np.float32), np.array([0, -1, -1, 0], np.int32)]
+    args = [
+        np.repeat(q, splits, axis=0),
+        pool_k,
+        pool_v,
+        table.reshape(n, -1),
+        np.ones(n, np.int32),
+        np.full(n, KEYS // splits, np.int32),
+        np.zeros(n, np.int32),
+        np.array([D**-0.5, 0.0, 1.0, 1.0], np.float32),
+        np.array([0, -1, -1, 0], np.int32),
+    ]
     return [rt.asdevicearray(dev, a) for a in args]
 
 
@@ -212,7 +234,7 @@ def _reference(q, k, v):
     """float64 output and LSE of the decode (every key visible)."""
     kk, vv = k.astype(np.float64), v.astype(np.float64)
     qq = q.astype(np.float64).reshape(B, HK, G, D)
-    s = np.einsum("bhgd,bnhd->bhgn", qq, kk) * D ** -0.5
+    s = np.einsum("bhgd,bnhd->bhgn", qq, kk) * D**-0.5
     m = s.max(-1, keepdims=True)
     p = np.exp(s - m)
     o = np.einsum("bhgn,bnhd->bhgd", p, vv) / p.sum(-1)[..., None]
@@ -234,9 +256,15 @@ def run(out: Path, repeat: int, rounds: int, target: str = "cuda", profile=()) -
         splits, page = _parse_tag(path.stem)
         if (splits, page) not in inputs:
             inputs[splits, page] = _inputs(dev, logical, np.random.default_rng(1), splits, page)
-        loaded[path.stem] = (_Loaded(type("V", (), {"name": name_of(B * splits, page)})(),
-                                     rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes()), cfg,
-                                     spin=target != "host"), (splits, page))
+        loaded[path.stem] = (
+            _Loaded(
+                type("V", (), {"name": name_of(B * splits, page)})(),
+                rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes()),
+                cfg,
+                spin=target != "host",
+            ),
+            (splits, page),
+        )
     results = {}
     for tag, (lo, (splits, page)) in loaded.items():
         o, lse = (r.to_host().astype(np.float64) for r in lo.invoke(list(inputs[splits, page]), 2))
@@ -260,8 +288,11 @@ def run(out: Path, repeat: int, rounds: int, target: str = "cuda", profile=()) -
         ms = statistics.median(r["ms"])
         r["median_ms"] = round(ms, 4)
         r["TB_s"] = round(kv_bytes / (ms * 1e-3) / 1e12, 3)
-        print(f"{tag:16s} {ms:.3f} ms  {r['TB_s']:.2f} TB/s of KV  rounds {[round(x, 3) for x in r['ms']]}  "
-              f"err out {r['max_abs_err_out']:.2e} lse {r['max_abs_err_lse']:.2e}", flush=True)
+        print(
+            f"{tag:16s} {ms:.3f} ms  {r['TB_s']:.2f} TB/s of KV  rounds {[round(x, 3) for x in r['ms']]}  "
+            f"err out {r['max_abs_err_out']:.2e} lse {r['max_abs_err_lse']:.2e}",
+            flush=True,
+        )
     (out / "run.json").write_text(json.dumps(results, indent=1))
     for tag in profile:
         if tag in loaded:

@@ -38,11 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import iree.runtime as rt  # noqa: E402
-import torch  # noqa: E402
+import iree.runtime as rt
+import torch
 
-import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import _Results  # noqa: E402
+import turbine_fmha
+from turbine_fmha.core.arrays import _Results
 
 
 def _wait_value_fn():
@@ -52,8 +52,12 @@ def _wait_value_fn():
         from cuda.bindings import driver
 
         def wait(stream: int, address: int, value: int) -> None:
-            (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream), driver.CUdeviceptr(address), value,
-                                                driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            (err,) = driver.cuStreamWaitValue32(
+                driver.CUstream(stream),
+                driver.CUdeviceptr(address),
+                value,
+                driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+            )
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuStreamWaitValue32: {err}")
 
@@ -112,8 +116,17 @@ def main() -> int:
     record("wait_value_api", how)
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     q, k, v, bt, sk = _problem("cuda")
-    attn = turbine_fmha.PagedAttention(session).plan(bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=32,
-                                                     nhead_k=8, hdim=128, dtype="f16", kv_rows_finite=True)
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt,
+        sk,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=32,
+        nhead_k=8,
+        hdim=128,
+        dtype="f16",
+        kv_rows_finite=True,
+    )
     attn.run(q, k, v)
     plan = attn._plan
     variant = plan._variant(True)
@@ -133,6 +146,7 @@ def main() -> int:
     def run_a(n):
         for _ in range(n):
             attn.run(q, k, v)
+
     record("A_run_ms", round(_median_ms(run_a, args.calls), 4))
 
     # B: enqueue back to back, one wait at the end.
@@ -145,6 +159,7 @@ def main() -> int:
         calls = [loaded.enqueue(fixed, own_timeline=True) for _ in range(n)]
         for c in calls:
             c.wait()
+
     record("B_enqueue_only_ms", round(_median_ms(run_b, args.calls), 4))
     t0 = time.perf_counter()
     calls = [loaded.enqueue(fixed, own_timeline=True) for _ in range(args.calls)]
@@ -158,7 +173,6 @@ def main() -> int:
     numbers = torch.arange(1, n_max + 1, dtype=torch.int32, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
-    numbers_buf = session.import_torch(numbers)._buffer_view.get_buffer()
     flag_buf = session.import_torch(flag)._buffer_view.get_buffer()
     device = session.device_of()
     counter = [0]
@@ -170,7 +184,7 @@ def main() -> int:
     def number_buffer(i):
         b = views.get(i)
         if b is None:
-            b = views[i] = session.import_torch(numbers[i - 1:i])._buffer_view.get_buffer()
+            b = views[i] = session.import_torch(numbers[i - 1 : i])._buffer_view.get_buffer()
         return b
 
     for i in range(1, 3 * args.calls + 8):
@@ -215,6 +229,7 @@ def main() -> int:
             if keep:
                 outs.append(o)
         return pending
+
     try:
         record("C_flag_handoff_ms", round(_median_ms(lambda n: run_c(n), args.calls), 4))
         outs.clear()
@@ -222,21 +237,22 @@ def main() -> int:
         torch.cuda.synchronize()
         bad = [j for j, o in enumerate(outs) if not torch.equal(o, expected)]
         record("C_results_equal_run", not bad, f"(differing calls: {bad[:5]})" if bad else "")
-    except Exception as e:  # noqa: BLE001 - the probe reports what failed
+    except Exception as e:
         record("C_error", f"{type(e).__name__}: {e}")
 
     # D: q from torch before each call, torch synchronized before IREE.
     def run_d(n):
         counter[0] = 0
         flag.zero_()
-        for j in range(n):
+        for _ in range(n):
             qq = q * 1.0  # a new q, written by torch
             torch.cuda.current_stream().synchronize()
             call, i = enqueue_with_flag(call_args(qq))
             wait_value(stream, flag.data_ptr(), i)
+
     try:
         record("D_sync_then_flag_ms", round(_median_ms(run_d, args.calls), 4))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         record("D_error", f"{type(e).__name__}: {e}")
 
     # E: a bridge thread orders torch -> IREE.
@@ -258,7 +274,7 @@ def main() -> int:
     def run_e(n):
         counter[0] = 0
         flag.zero_()
-        for j in range(n):
+        for _ in range(n):
             qq = q * 1.0
             argv = call_args(qq)
             event = torch.cuda.Event()
@@ -266,13 +282,14 @@ def main() -> int:
             counter[0] += 1
             jobs.put((event, argv, counter[0]))
             wait_value(stream, flag.data_ptr(), counter[0])
+
     try:
         record("E_bridge_ms", round(_median_ms(run_e, args.calls), 4))
         t0 = time.perf_counter()
         run_e(args.calls)
         record("E_host_per_call_us", round((time.perf_counter() - t0) * 1e6 / args.calls, 1))
         torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         record("E_error", f"{type(e).__name__}: {e}")
     jobs.put(None)
 
@@ -290,8 +307,11 @@ def main() -> int:
     signaller.start()
     t0 = time.perf_counter()
     fn._vm_context.invoke(fn.vm_function, arg_list, rt.VmVariantList(4))
-    record("F_invoke_with_unsignaled_fence_ms", round((time.perf_counter() - t0) * 1e3, 2),
-           "(50 ms until the fence is signaled: ~50 means the call blocks)")
+    record(
+        "F_invoke_with_unsignaled_fence_ms",
+        round((time.perf_counter() - t0) * 1e3, 2),
+        "(50 ms until the fence is signaled: ~50 means the call blocks)",
+    )
     done.wait()
 
     torch_ms = _median_ms(lambda n: [torch_gather_sdpa(q, k, v, bt) for _ in range(n)], args.calls)

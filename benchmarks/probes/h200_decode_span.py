@@ -65,30 +65,43 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--flag", action="append", default=[], help="an IREE runtime flag, e.g. --flag=--cuda_use_streams=false")
+    ap.add_argument(
+        "--flag", action="append", default=[], help="an IREE runtime flag, e.g. --flag=--cuda_use_streams=false"
+    )
     ap.add_argument("--shapes", default="1x32768,32x4096")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--hold-mib", type=int, default=0,
-                    help="keep this much IREE-allocated device memory alive (in 128 MiB arrays), as a "
-                         "PagedKVCache device pool does")
-    ap.add_argument("--hold-via", choices=["asdevicearray", "device_array"], default="device_array",
-                    help="how the held arrays are made: iree.runtime.asdevicearray (counted by the per-call "
-                         "buffer pool) or Session.device_array (allocated past it)")
+    ap.add_argument(
+        "--hold-mib",
+        type=int,
+        default=0,
+        help="keep this much IREE-allocated device memory alive (in 128 MiB arrays), as a "
+        "PagedKVCache device pool does",
+    )
+    ap.add_argument(
+        "--hold-via",
+        choices=["asdevicearray", "device_array"],
+        default="device_array",
+        help="how the held arrays are made: iree.runtime.asdevicearray (counted by the per-call "
+        "buffer pool) or Session.device_array (allocated past it)",
+    )
     ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
     import iree.runtime as rt
     import torch
     import torch.nn.functional as F
+    from h200_dispatch_profile import decode_problem
 
     import turbine_fmha
-    from h200_dispatch_profile import decode_problem
     from turbine_fmha.core.arrays import _Results
 
     for f in args.flag:
         rt.flags.parse_flags(f)
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
-    make = session.device_array if args.hold_via == "device_array" else (
-        lambda a: rt.asdevicearray(session.device_of(), a))
+    make = (
+        session.device_array
+        if args.hold_via == "device_array"
+        else (lambda a: rt.asdevicearray(session.device_of(), a))
+    )
     held = [make(np.zeros(128 << 20, np.uint8)) for _ in range(args.hold_mib // 128)]
     if held:
         print(f"holding {len(held) * 128} MiB of IREE device arrays made by {args.hold_via}")
@@ -98,8 +111,16 @@ def main() -> int:
         batch, keys = (int(x) for x in shape.split("x"))
         pages, bt, sk, q, k, v = decode_problem(rng, batch, keys)
         attn = turbine_fmha.PagedAttention(session).plan(
-            bt, sk, num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
-            kv_rows_finite=True)
+            bt,
+            sk,
+            num_pages=pages,
+            page_block_size=PAGE,
+            nhead_q=HQ,
+            nhead_k=HK,
+            hdim=D,
+            dtype="f16",
+            kv_rows_finite=True,
+        )
         plan = attn._plan
         if plan.splits > max(1, plan.merge):
             print(f"decode b{batch} x {keys}: split-KV merged on the host, skipped")
@@ -130,9 +151,11 @@ def main() -> int:
         hosts = {"chained": [], "unchained": [], "torch": []}
         with torch.no_grad():
             for _ in range(args.rounds):  # interleaved: the H200's clocks drift within a command
-                for name, fn, wait in (("chained", enqueue, lambda: last[0].wait()),
-                                       ("unchained", enqueue_free, lambda: last[0].wait()),
-                                       ("torch", gather_sdpa, torch.cuda.synchronize)):
+                for name, fn, wait in (
+                    ("chained", enqueue, lambda: last[0].wait()),
+                    ("unchained", enqueue_free, lambda: last[0].wait()),
+                    ("torch", gather_sdpa, torch.cuda.synchronize),
+                ):
                     ms, host = queued(fn, wait, args.calls)
                     rounds[name].append(ms)
                     hosts[name].append(host)
@@ -140,14 +163,20 @@ def main() -> int:
             f_busy, f_idle, _ = kernel_timeline(enqueue_free, lambda: last[0].wait(), 50)
             t_busy, t_idle, t_n = kernel_timeline(gather_sdpa, torch.cuda.synchronize, 50)
         run_ms = statistics.median(_timed_runs(attn, q, k, v, 100))
-        print(f"decode b{batch} x {keys} ({plan.splits} splits, {variant.name}), {args.rounds} interleaved rounds "
-              f"of {args.calls} calls, ms per call (median [min-max]); enqueue loop alone:")
+        print(
+            f"decode b{batch} x {keys} ({plan.splits} splits, {variant.name}), {args.rounds} interleaved rounds "
+            f"of {args.calls} calls, ms per call (median [min-max]); enqueue loop alone:"
+        )
         for name in rounds:
             r, h = rounds[name], hosts[name]
-            print(f"  {name:9s} {statistics.median(r):.3f} [{min(r):.3f}-{max(r):.3f}]; enqueues alone "
-                  f"{statistics.median(h):.3f}")
-        print(f"  CUPTI, per call: chained kernels {busy:.1f} us + idle {idle:.1f} us in {n} launches; unchained "
-              f"{f_busy:.1f} + {f_idle:.1f}; torch {t_busy:.1f} + {t_idle:.1f} in {t_n}")
+            print(
+                f"  {name:9s} {statistics.median(r):.3f} [{min(r):.3f}-{max(r):.3f}]; enqueues alone "
+                f"{statistics.median(h):.3f}"
+            )
+        print(
+            f"  CUPTI, per call: chained kernels {busy:.1f} us + idle {idle:.1f} us in {n} launches; unchained "
+            f"{f_busy:.1f} + {f_idle:.1f}; torch {t_busy:.1f} + {t_idle:.1f} in {t_n}"
+        )
         print(f"  run() one at a time: {run_ms:.3f} ms")
     if not args.no_prefill:
         _prefill(session, rng, args.rounds)
@@ -159,6 +188,7 @@ def _prefill(session, rng, rounds: int, calls: int = 10) -> None:
     its kernel calls queued chained (each waiting for the one before) and
     unchained, back to back."""
     from h200_dispatch_profile import prefill_problem
+
     from turbine_fmha.core.arrays import _Results
 
     rows = 4096
@@ -195,8 +225,10 @@ def _prefill(session, rng, rounds: int, calls: int = 10) -> None:
             times[name].append(queued(fn, wait, calls)[0])
     for name, r in times.items():
         ms = statistics.median(r)
-        print(f"prefill 4096 causal, {len(steps)} calls of {variant.name}, {name}: {ms:.3f} ms "
-              f"[{min(r):.3f}-{max(r):.3f}] = {4.0 * HQ * D * visible / (ms * 1e-3) / 1e12:.1f} TFLOP/s visible")
+        print(
+            f"prefill 4096 causal, {len(steps)} calls of {variant.name}, {name}: {ms:.3f} ms "
+            f"[{min(r):.3f}-{max(r):.3f}] = {4.0 * HQ * D * visible / (ms * 1e-3) / 1e12:.1f} TFLOP/s visible"
+        )
     ms = statistics.median(_timed_runs(attn, q, k, v, calls))
     print(f"prefill 4096 causal, run() one at a time: {ms:.3f} ms")
 

@@ -23,8 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 # (batch, keys, fp8 cache format or None)
-SHAPES = ((1, 32768, None), (4, 32768, None), (32, 4096, None), (8, 4096, None), (64, 4096, None),
-          (128, 4096, None), (32, 4096, "f8e4m3fn"), (1, 32768, "f8e4m3fn"))
+SHAPES = (
+    (1, 32768, None),
+    (4, 32768, None),
+    (32, 4096, None),
+    (8, 4096, None),
+    (64, 4096, None),
+    (128, 4096, None),
+    (32, 4096, "f8e4m3fn"),
+    (1, 32768, "f8e4m3fn"),
+)
 
 
 def _back_to_back(fn, calls: int, warmup: int = 5) -> float:
@@ -66,8 +74,19 @@ def prefill_problem(session, rng, rows: int, page: int):
     k = torch.randn(pages, page, HK, D, dtype=torch.float16, device="cuda")
     q = torch.randn(1, rows, HQ, D, dtype=torch.float16, device="cuda")
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, np.array([rows], np.int32), num_pages=pages, page_block_size=page, nhead_q=HQ, nhead_k=HK, hdim=D,
-        dtype="f16", seqlen_q=rows, kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
+        bt,
+        np.array([rows], np.int32),
+        num_pages=pages,
+        page_block_size=page,
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        dtype="f16",
+        seqlen_q=rows,
+        kv_rows_finite=True,
+        mask_type="bottom_right",
+        window_size_right=0,
+    )
     return attn, q, k, torch.randn_like(k)
 
 
@@ -91,8 +110,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--decodes", default=None,
-                    help="only these fp16 decodes, e.g. 32x4096,1x32768 (batch x keys); no mixed batch or prefill")
+    ap.add_argument(
+        "--decodes",
+        default=None,
+        help="only these fp16 decodes, e.g. 32x4096,1x32768 (batch x keys); no mixed batch or prefill",
+    )
     args = ap.parse_args()
     import torch
 
@@ -106,14 +128,25 @@ def main() -> int:
         if kv:
             k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
         attn = turbine_fmha.PagedAttention(session).plan(
-            bt, sk, num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
-            kv_dtype=k.dtype if kv else None, kv_rows_finite=True)
+            bt,
+            sk,
+            num_pages=pages,
+            page_block_size=PAGE,
+            nhead_q=HQ,
+            nhead_k=HK,
+            hdim=D,
+            dtype="f16",
+            kv_dtype=k.dtype if kv else None,
+            kv_rows_finite=True,
+        )
         call_ms = _back_to_back(lambda: attn.run(q, k, v), args.calls, warmup=10)
         per = dispatch_times(lambda: attn.run(q, k, v), args.calls)
         variant = attn._plan._variant(attn._plan.guard_free)
         kv_gbs = batch * keys * HK * D * 2 * (1 if kv else 2) / (call_ms * 1e-3) / 1e9
-        print(f"decode b{batch} x {keys}{' ' + kv if kv else ''}: run() back to back {call_ms:.3f} ms ({kv_gbs:.0f} GB/s of KV), "
-              f"splits {attn._plan.splits}, {variant.name}")
+        print(
+            f"decode b{batch} x {keys}{' ' + kv if kv else ''}: run() back to back {call_ms:.3f} ms ({kv_gbs:.0f} GB/s of KV), "
+            f"splits {attn._plan.splits}, {variant.name}"
+        )
         for name, us in sorted(per.items(), key=lambda x: -x[1]):
             print(f"    {us:8.1f} us  {name[:110]}")
     if not args.decodes:
@@ -131,8 +164,10 @@ def prefill_pages(session, rng, calls: int = 10) -> None:
         attn, q, k, v = prefill_problem(session, rng, rows, page)
         ms = _back_to_back(lambda: attn.run(q, k, v), calls, warmup=3)
         tflops = 4.0 * HQ * D * visible / (ms * 1e-3) / 1e12
-        print(f"prefill 4096 causal, page {page}: run() back to back {ms:.3f} ms = {tflops:.1f} TFLOP/s "
-              f"(visible), {attn._plan._variant(True).name}")
+        print(
+            f"prefill 4096 causal, page {page}: run() back to back {ms:.3f} ms = {tflops:.1f} TFLOP/s "
+            f"(visible), {attn._plan._variant(True).name}"
+        )
 
 
 def mixed_batch(session, rng, calls: int) -> None:
@@ -152,26 +187,39 @@ def mixed_batch(session, rng, calls: int) -> None:
     bt = np.zeros((len(need), max(need)), np.int32)
     at = 0
     for i, n in enumerate(need):
-        bt[i, :n] = perm[at:at + n]
+        bt[i, :n] = perm[at : at + n]
         at += n
     sk = np.array(lens_k, np.int32)
     k = torch.randn(pages, PAGE, HK, D, dtype=torch.float16, device="cuda")
     v = torch.randn_like(k)
     starts = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
     q = torch.randn(int(starts[-1]), HQ, D, dtype=torch.float16, device="cuda")
-    layout = dict(num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
-                  kv_rows_finite=True, mask_type="bottom_right", window_size_right=0)
+    layout = dict(
+        num_pages=pages,
+        page_block_size=PAGE,
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        dtype="f16",
+        kv_rows_finite=True,
+        mask_type="bottom_right",
+        window_size_right=0,
+    )
 
     def timed(attn, qq):
         return _back_to_back(lambda: attn.run(qq, k, v), calls)
 
     both = timed(turbine_fmha.PagedAttention(session).plan(bt, sk, seqstart_q=starts, **layout), q)
-    pre = timed(turbine_fmha.PagedAttention(session).plan(bt[:2], sk[:2], seqstart_q=starts[:3], **layout),
-                q[: starts[2]])
-    dec = timed(turbine_fmha.PagedAttention(session).plan(bt[2:], sk[2:], **layout),
-                q[starts[2]:].reshape(30, 1, HQ, D))
-    print(f"mixed batch, 2 prefills x 512 + 30 decodes x 2048 keys: one group-mode run() {both:.3f} ms; "
-          f"prefills alone {pre:.3f} + decodes alone {dec:.3f} = {pre + dec:.3f} ms; ratio {both / (pre + dec):.2f}")
+    pre = timed(
+        turbine_fmha.PagedAttention(session).plan(bt[:2], sk[:2], seqstart_q=starts[:3], **layout), q[: starts[2]]
+    )
+    dec = timed(
+        turbine_fmha.PagedAttention(session).plan(bt[2:], sk[2:], **layout), q[starts[2] :].reshape(30, 1, HQ, D)
+    )
+    print(
+        f"mixed batch, 2 prefills x 512 + 30 decodes x 2048 keys: one group-mode run() {both:.3f} ms; "
+        f"prefills alone {pre:.3f} + decodes alone {dec:.3f} = {pre + dec:.3f} ms; ratio {both / (pre + dec):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import turbine_fmha  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 PAGES, PAGE, HK, D, TOKENS = 64, 16, 8, 128, 40
 # f32 rotation then one rounding to the cache dtype (tests/test_kv_write.py).
@@ -64,9 +64,13 @@ def case_write(session, dev, dtype, layout, rotary):
     seqlen_k = np.array([5], np.int32)
     if rotary:
         ang = np.arange(256)[:, None] * (1e-2 * np.arange(1, D // 2 + 1))[None, :]
-        kw = dict(rotary_cos=np.cos(ang).astype(np.float32), rotary_sin=np.sin(ang).astype(np.float32),
-                  rotary_interleaved=rotary == "interleaved", seqlen_k=seqlen_k,
-                  seqstart=np.array([0, TOKENS], np.int32))  # flat rows: one sequence
+        kw = dict(
+            rotary_cos=np.cos(ang).astype(np.float32),
+            rotary_sin=np.sin(ang).astype(np.float32),
+            rotary_interleaved=rotary == "interleaved",
+            seqlen_k=seqlen_k,
+            seqstart=np.array([0, TOKENS], np.int32),
+        )  # flat rows: one sequence
     turbine_fmha.reshape_and_cache(k, v, kc, vc, slots.to(dev), kv_layout=layout, session=session, **kw)
     torch.cuda.synchronize() if dev != "cpu" else None
     keep = slots >= 0
@@ -106,8 +110,9 @@ def case_rotary_q(session, dev):
     refused = "not refused"
     if dev != "cpu":
         try:
-            turbine_fmha.reshape_and_cache(k[:, :0], v[:, :0], kc, vc, torch.zeros((1, 0), dtype=torch.int64, device=dev),
-                                           q=q, **rot)
+            turbine_fmha.reshape_and_cache(
+                k[:, :0], v[:, :0], kc, vc, torch.zeros((1, 0), dtype=torch.int64, device=dev), q=q, **rot
+            )
         except NotImplementedError as e:
             refused = f"refused ({str(e)[:50]}...)"
         ok &= refused.startswith("refused")
@@ -117,8 +122,9 @@ def case_rotary_q(session, dev):
 
 def case_cache_append(session, dev, kv_layout="NHD"):
     g = torch.Generator().manual_seed(2)
-    cache = turbine_fmha.PagedKVCache(PAGES, PAGE, HK, D, "f16", session=session, host_mirror=False,
-                                      kv_layout=kv_layout)
+    cache = turbine_fmha.PagedKVCache(
+        PAGES, PAGE, HK, D, "f16", session=session, host_mirror=False, kv_layout=kv_layout
+    )
     seqs, ks, vs = [cache.allocate(), cache.allocate()], [], []
     for n, seq in zip((37, 70), seqs):
         k, v = (torch.randn((n, HK, D), generator=g).half() for _ in range(2))
@@ -135,9 +141,14 @@ def case_cache_append(session, dev, kv_layout="NHD"):
         kp = np.zeros((pages * PAGE, HK, D), np.float16)
         vp = np.zeros_like(kp)
         kp[:n], vp[:n] = ks[i], vs[i]
-        ref, _ = fmha_fwd_paged_ref(q.numpy()[i:i + 1], kp.reshape(pages, PAGE, HK, D), vp.reshape(pages, PAGE, HK, D),
-                                    np.arange(pages, dtype=np.int32)[None], np.array([n], np.int32))
-        err = max(err, float(np.abs(out[i:i + 1].astype(np.float64) - ref).max() / np.abs(ref).max()))
+        ref, _ = fmha_fwd_paged_ref(
+            q.numpy()[i : i + 1],
+            kp.reshape(pages, PAGE, HK, D),
+            vp.reshape(pages, PAGE, HK, D),
+            np.arange(pages, dtype=np.int32)[None],
+            np.array([n], np.int32),
+        )
+        err = max(err, float(np.abs(out[i : i + 1].astype(np.float64) - ref).max() / np.abs(ref).max()))
     return err <= 5e-3, f"rel err {err:.2e}"  # conftest.OUT_TOL f16
 
 
@@ -151,12 +162,23 @@ def main() -> int:
     kw = dict(compile_missing=True, cache_dir=args.cache) if args.cache else {}
     session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts, **kw)
     dev = "cuda:0" if args.device == "cuda" else "cpu"
-    cases = [(f"reshape_and_cache {layout} {str(dt)[6:]}{' rotary ' + r if r else ''}",
-              lambda layout=layout, dt=dt, r=r: case_write(session, dev, dt, layout, r))
-             for dt in (torch.float16, torch.bfloat16) for layout in ("NHD", "HND") for r in (None, "half", "interleaved")]
+    cases = [
+        (
+            f"reshape_and_cache {layout} {str(dt)[6:]}{' rotary ' + r if r else ''}",
+            lambda layout=layout, dt=dt, r=r: case_write(session, dev, dt, layout, r),
+        )
+        for dt in (torch.float16, torch.bfloat16)
+        for layout in ("NHD", "HND")
+        for r in (None, "half", "interleaved")
+    ]
     cases.append(("rotary of q with its keys; q alone", lambda: case_rotary_q(session, dev)))
-    cases += [(f"PagedKVCache.append from torch, no host mirror, {layout} pages, then attend",
-               lambda layout=layout: case_cache_append(session, dev, layout)) for layout in ("NHD", "HND")]
+    cases += [
+        (
+            f"PagedKVCache.append from torch, no host mirror, {layout} pages, then attend",
+            lambda layout=layout: case_cache_append(session, dev, layout),
+        )
+        for layout in ("NHD", "HND")
+    ]
     failed = 0
     for label, run in cases:
         try:

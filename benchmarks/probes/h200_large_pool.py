@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import turbine_fmha  # noqa: E402
-from turbine_fmha.api.cache import aligned_zeros  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 # The variants it needs (build with turbine-fmha build --targets cuda --variants ...).
 VARIANTS = [
@@ -44,7 +44,9 @@ def main() -> int:
     out = turbine_fmha.fmha_fwd_paged(q, k, v, used, sk, mask_type="bottom_right", session=session, device="cuda")
     ref, _ = fmha_fwd_paged_ref(q, k, v, used, sk, mask_type="bottom_right")
     err = float(np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max())
-    print(f"K pool {k.size} elements (> 2^31: {k.size > 2**31}), variant {session.last_variant.name}: rel err {err:.2e}")
+    print(
+        f"K pool {k.size} elements (> 2^31: {k.size > 2**31}), variant {session.last_variant.name}: rel err {err:.2e}"
+    )
     return 0 if err <= 5e-3 else 1
 
 

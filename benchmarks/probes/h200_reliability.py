@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import turbine_fmha  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 TOL = 5e-3  # f16 output: one rounding of P and of the output (tests/conftest.py)
@@ -47,13 +47,22 @@ def _err(out, ref):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", required=True)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="cpu: a dry run of this script on the CPU (online kernels compiled on demand)")
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: a dry run of this script on the CPU (online kernels compiled on demand)",
+    )
     args = ap.parse_args()
     dev = args.device
     if dev == "cpu":
-        session = turbine_fmha.Session("cpu", formulation="online", compile_missing=True, cache_dir=args.artifacts,
-                                       artifact_dir=Path(args.artifacts) / "none")
+        session = turbine_fmha.Session(
+            "cpu",
+            formulation="online",
+            compile_missing=True,
+            cache_dir=args.artifacts,
+            artifact_dir=Path(args.artifacts) / "none",
+        )
     else:
         session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
     rng = np.random.default_rng(12)
@@ -74,8 +83,9 @@ def main() -> int:
                 k[bt[b, t // PAGE], t % PAGE, :, 0] = c
         ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk, scale=1.0)
         for splits in (1, 3):
-            out = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, scale=1.0, num_splits=splits, session=session,
-                                              device=dev)
+            out = turbine_fmha.fmha_fwd_paged(
+                q, k, v, bt, sk, scale=1.0, num_splits=splits, session=session, device=dev
+            )
             e = _err(out, ref)
             report(f"scores {c * c:.0e}, splits {splits}", e <= TOL, f"rel err {e:.2e} ({session.last_variant.name})")
 
@@ -91,7 +101,11 @@ def main() -> int:
     ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk, bias=bias)
     out = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, bias=bias, session=session, device=dev)
     same = bool(np.array_equal(np.isnan(out), np.isnan(ref))) and np.isnan(ref).any()
-    report("NaN key under a -1e30 bias", same, f"{int(np.isnan(out).sum())} NaN outputs, reference {int(np.isnan(ref).sum())}")
+    report(
+        "NaN key under a -1e30 bias",
+        same,
+        f"{int(np.isnan(out).sum())} NaN outputs, reference {int(np.isnan(ref).sum())}",
+    )
 
     cache = turbine_fmha.PagedKVCache(4, PAGE, HK, D, "f16", session=session)
     a = cache.allocate()
@@ -100,14 +114,19 @@ def main() -> int:
     cache.append(a, rng.standard_normal((6, HK, D)).astype(np.float16), v_a)
     cache.free(a)
     b = cache.allocate()
-    cache.append(b, rng.standard_normal((3, HK, D)).astype(np.float16), rng.standard_normal((3, HK, D)).astype(np.float16))
+    cache.append(
+        b, rng.standard_normal((3, HK, D)).astype(np.float16), rng.standard_normal((3, HK, D)).astype(np.float16)
+    )
     q = rng.standard_normal((1, 1, HQ, D)).astype(np.float16)
     out = cache.attend(q, [b])
     kb, vb = cache.gather(b)
     ref, _ = fmha_fwd_paged_ref(q, kb[None], vb[None], np.zeros((1, 1), np.int32), np.array([3], np.int32))
     e = _err(out, ref) if np.isfinite(out).all() else float("inf")
-    report("freed request's +Inf cannot poison the next (device pool)", e <= TOL,
-           f"rel err {e:.2e}, values_finite={cache.values_finite} ({session.last_variant.name})")
+    report(
+        "freed request's +Inf cannot poison the next (device pool)",
+        e <= TOL,
+        f"rel err {e:.2e}, values_finite={cache.values_finite} ({session.last_variant.name})",
+    )
 
     import torch
 
@@ -116,8 +135,9 @@ def main() -> int:
     kt = torch.from_numpy(k).to(tdev)
     out = kt.reshape(-1)[: q.size].reshape(q.shape)
     try:
-        turbine_fmha.fmha_fwd_paged(torch.from_numpy(q).to(tdev), kt, torch.from_numpy(v).to(tdev), bt, sk, out=out,
-                                    session=session, device=dev)
+        turbine_fmha.fmha_fwd_paged(
+            torch.from_numpy(q).to(tdev), kt, torch.from_numpy(v).to(tdev), bt, sk, out=out, session=session, device=dev
+        )
         report(f"torch {tdev} out overlapping k_cache", False, "accepted")
     except ValueError as e:
         report(f"torch {tdev} out overlapping k_cache", "out overlaps k_cache" in str(e), str(e))

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import np_dtype  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.core.arrays import np_dtype
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 # Output and LSE error bounds (tests/conftest.py says why).
 OUT_TOL = {"f16": 5e-3, "bf16": 2e-2}
@@ -50,7 +50,7 @@ def make_problem(rng, dtype, batch, seqlen_q, seqlens_k, nhead_q, nhead_k, hdim,
     bt = rng.choice(np.array([-1, num_pages + 5], np.int32), size=(batch, max(used) + 1)).astype(np.int32)
     i = 0
     for b, n in enumerate(used):
-        bt[b, :n] = perm[i:i + n]
+        bt[b, :n] = perm[i : i + n]
         i += n
     kc[perm[i:]] = np.nan
     vc[perm[i:]] = np.nan
@@ -71,7 +71,7 @@ def poison_stale_rows(vc, bt, seqlen_k, page):
     """NaN in the value rows of each sequence's last page past its keys."""
     for b, n in enumerate(seqlen_k):
         if n % page:
-            vc[bt[b, (n - 1) // page], n % page:] = np.nan
+            vc[bt[b, (n - 1) // page], n % page :] = np.nan
 
 
 def verify(session, rng, label, heads, hdims, dtype="f16", page=16, stale_nan=False) -> bool:
@@ -85,8 +85,18 @@ def verify(session, rng, label, heads, hdims, dtype="f16", page=16, stale_nan=Fa
             kw = {"mask_type": mask} if mask else {}
             layout = LAYOUT.get(label, "NHD")
             kc_l, vc_l = (hnd(kc), hnd(vc)) if layout == "HND" else (kc, vc)
-            out, lse = turbine_fmha.fmha_fwd_paged(q, kc_l, vc_l, bt, seqlen_k, return_lse=True, session=session,
-                                                   device=session.device, kv_layout=layout, **kw)
+            out, lse = turbine_fmha.fmha_fwd_paged(
+                q,
+                kc_l,
+                vc_l,
+                bt,
+                seqlen_k,
+                return_lse=True,
+                session=session,
+                device=session.device,
+                kv_layout=layout,
+                **kw,
+            )
             ref, ref_lse = fmha_fwd_paged_ref(q, kc, vc, bt, seqlen_k, **kw)
             err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
             lerr = np.abs(lse - ref_lse).max()
@@ -94,8 +104,10 @@ def verify(session, rng, label, heads, hdims, dtype="f16", page=16, stale_nan=Fa
             ok &= good
             variants = sorted(set(session.picked))
             session.picked.clear()
-            print(f"verify {label} h{hq}x{hk} d{d} sq={sq}: rel err {err:.2e}, lse err {lerr:.2e} -> "
-                  f"{'OK' if good else 'FAIL'} {variants}")
+            print(
+                f"verify {label} h{hq}x{hk} d{d} sq={sq}: rel err {err:.2e}, lse err {lerr:.2e} -> "
+                f"{'OK' if good else 'FAIL'} {variants}"
+            )
     return ok
 
 
@@ -120,8 +132,9 @@ def time_run(session, shape, dtype, repeat, sync, kv_layout="NHD"):
     import torch
 
     rng = np.random.default_rng(0)
-    q, kc, vc, bt, sk = make_problem(rng, dtype, shape["batch"], shape["seqlen_q"], [shape["seqlen_k"]] * shape["batch"],
-                                     32, 8, 128, 16)
+    q, kc, vc, bt, sk = make_problem(
+        rng, dtype, shape["batch"], shape["seqlen_q"], [shape["seqlen_k"]] * shape["batch"], 32, 8, 128, 16
+    )
     kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
     if kv_layout == "HND":
         kc, vc = hnd(kc), hnd(vc)
@@ -129,8 +142,19 @@ def time_run(session, shape, dtype, repeat, sync, kv_layout="NHD"):
     q, kc, vc = dev(q), dev(kc), dev(vc)
     kw = {"mask_type": "bottom_right"} if shape["seqlen_q"] > 1 else {}
     attn = turbine_fmha.PagedAttention(session).plan(
-        bt, sk, num_pages=kc.shape[0], page_block_size=16, nhead_q=32, nhead_k=8, hdim=128, dtype=dtype,
-        seqlen_q=shape["seqlen_q"], kv_rows_finite=True, kv_layout=kv_layout, **kw)
+        bt,
+        sk,
+        num_pages=kc.shape[0],
+        page_block_size=16,
+        nhead_q=32,
+        nhead_k=8,
+        hdim=128,
+        dtype=dtype,
+        seqlen_q=shape["seqlen_q"],
+        kv_rows_finite=True,
+        kv_layout=kv_layout,
+        **kw,
+    )
     session.picked.clear()
     for _ in range(3):
         attn.run(q, kc, vc)
@@ -162,10 +186,12 @@ def main() -> int:
     rng = np.random.default_rng()
     dirs = {k: getattr(args, k) for k in ("static", "group", "any_online", "hnd", "any", "any_hnd") if getattr(args, k)}
     sessions = {k: recording(turbine_fmha.Session(args.device, artifact_dir=d)) for k, d in dirs.items()}
-    checks = {"group": (((32, 8), (16, 4), (4, 1), (40, 10)), (128,)),
-              "any_online": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (64, 4), (24, 8)), (128,)),
-              "hnd": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (24, 8)), (128,)),
-              "any": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1)), (64, 128, 256))}
+    checks = {
+        "group": (((32, 8), (16, 4), (4, 1), (40, 10)), (128,)),
+        "any_online": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (64, 4), (24, 8)), (128,)),
+        "hnd": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1), (24, 8)), (128,)),
+        "any": (((32, 8), (28, 4), (12, 2), (16, 16), (8, 1)), (64, 128, 256)),
+    }
     checks["any_hnd"] = checks["any"]
     ok = True
     for k, (heads, hdims) in checks.items():
@@ -177,14 +203,19 @@ def main() -> int:
     import torch
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    shapes = [dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096), dict(name="decode", batch=1, seqlen_q=1, seqlen_k=32768),
-              dict(name="prefill", batch=1, seqlen_q=4096, seqlen_k=4096)]
+    shapes = [
+        dict(name="decode", batch=32, seqlen_q=1, seqlen_k=4096),
+        dict(name="decode", batch=1, seqlen_q=1, seqlen_k=32768),
+        dict(name="prefill", batch=1, seqlen_q=4096, seqlen_k=4096),
+    ]
     for r in range(args.rounds):
         for shape in shapes:
             for k, s in sessions.items():
                 ms, used = time_run(s, shape, "f16", 20, sync, LAYOUT.get(k, "NHD"))
-                print(f"round {r} {shape['name']} b{shape['batch']} sq{shape['seqlen_q']} sk{shape['seqlen_k']} "
-                      f"{k}: {ms:.3f} ms {used}")
+                print(
+                    f"round {r} {shape['name']} b{shape['batch']} sq{shape['seqlen_q']} sk{shape['seqlen_k']} "
+                    f"{k}: {ms:.3f} ms {used}"
+                )
     return 0 if ok else 1
 
 

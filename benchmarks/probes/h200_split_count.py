@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-from h200_dispatch_profile import _back_to_back, decode_problem, dispatch_times  # noqa: E402
+from h200_dispatch_profile import _back_to_back, decode_problem, dispatch_times
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 
@@ -55,10 +55,19 @@ def main() -> int:
         for n in (16, 32, 64, 128):
             try:
                 attn = turbine_fmha.PagedAttention(session).plan(
-                    bt, sk, num_pages=pages, page_block_size=PAGE, nhead_q=HQ, nhead_k=HK, hdim=D, dtype="f16",
-                    kv_rows_finite=True, num_splits=n)
+                    bt,
+                    sk,
+                    num_pages=pages,
+                    page_block_size=PAGE,
+                    nhead_q=HQ,
+                    nhead_k=HK,
+                    hdim=D,
+                    dtype="f16",
+                    kv_rows_finite=True,
+                    num_splits=n,
+                )
                 out = attn.run(q, k, v)
-            except Exception as e:  # noqa: BLE001 (a count the artifacts lack)
+            except Exception as e:
                 print(f"  splits {n}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             part = attn._plan.parts[0]
@@ -66,8 +75,10 @@ def main() -> int:
             ms = _back_to_back(lambda: attn.run(q, k, v), args.calls, warmup=10)
             per = dispatch_times(lambda: attn.run(q, k, v), args.calls)
             name = part._variant(True).name
-            print(f"  splits {part.splits} (merged {part.merge}): run() back to back {ms:.3f} ms, rel err {err:.1e} ({'ok' if err < 5e-3 else 'FAILED'}), "
-                  f"{name}; dispatches {len(per)}, device sum {sum(per.values()):.1f} us")
+            print(
+                f"  splits {part.splits} (merged {part.merge}): run() back to back {ms:.3f} ms, rel err {err:.1e} ({'ok' if err < 5e-3 else 'FAILED'}), "
+                f"{name}; dispatches {len(per)}, device sum {sum(per.values()):.1f} us"
+            )
             for dname, us in sorted(per.items(), key=lambda x: -x[1])[:4]:
                 print(f"      {us:7.1f} us  {dname[-60:]}")
     return 0

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import turbine_fmha  # noqa: E402
-from turbine_fmha import flash_attn_with_kvcache  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha import flash_attn_with_kvcache
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 # f16 output: a few ulps of |out| <= max|V| plus f32 accumulation; LSE: the
 # online formulation's scores carry one f16 rounding (|s| <~ 5 here).
@@ -53,8 +53,12 @@ def _recording(backend: str, graphs: list):
 
 
 def _ops(graphs) -> set:
-    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"
-            and str(n.target).startswith("turbine_fmha.")}
+    return {
+        str(n.target)
+        for g in graphs
+        for n in g.graph.nodes
+        if n.op == "call_function" and str(n.target).startswith("turbine_fmha.")
+    }
 
 
 def _errors(out, ref, lse=None, ref_lse=None, rows=None) -> tuple[float, float]:
@@ -93,7 +97,7 @@ def _paged(rng, lens_k, device):
     bt = np.full((len(lens_k), max(need) + 2), -1, np.int32)
     at = 0
     for b, n in enumerate(need):
-        bt[b, :n] = perm[at:at + n]
+        bt[b, :n] = perm[at : at + n]
         at += n
     k[perm[at:]] = np.nan
     v[perm[at:]] = np.nan
@@ -109,8 +113,17 @@ class _Decode(torch.nn.Module):
         self.session, self.device_kind = session, device
 
     def forward(self, q, block_table, seqlen_k):
-        out, lse = turbine_fmha.fmha_fwd_paged(q, self.k_cache, self.v_cache, block_table, seqlen_k, causal=True,
-                                               return_lse=True, session=self.session, device=self.device_kind)
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q,
+            self.k_cache,
+            self.v_cache,
+            block_table,
+            seqlen_k,
+            causal=True,
+            return_lse=True,
+            session=self.session,
+            device=self.device_kind,
+        )
         return out.float(), lse  # torch work after the op, compiled with it
 
 
@@ -131,11 +144,19 @@ def case_decode_module(ctx, backend):
     err, lerr = _errors(out, ref, lse, ref_lse)
     same = torch.equal(out, want) and torch.equal(lse, want_lse)
     ms_c, ms_e = _median_ms(lambda: compiled(tq, tbt, tsk)), _median_ms(lambda: layer(tq, tbt, tsk))
-    ok = (err <= OUT_TOL and lerr <= LSE_TOL and same and out.device == tq.device
-          and _ops(graphs) == {"turbine_fmha.fmha_fwd_paged.default"} and len(graphs) == 1)
-    return ok, (f"rel err {err:.1e}, LSE err {lerr:.1e}, equal to eager {same}, on {out.device}, graphs "
-                f"{len(graphs)} with {sorted(_ops(graphs))}; first call {first:.1f} s, median {ms_c:.2f} ms "
-                f"compiled vs {ms_e:.2f} ms eager")
+    ok = (
+        err <= OUT_TOL
+        and lerr <= LSE_TOL
+        and same
+        and out.device == tq.device
+        and _ops(graphs) == {"turbine_fmha.fmha_fwd_paged.default"}
+        and len(graphs) == 1
+    )
+    return ok, (
+        f"rel err {err:.1e}, LSE err {lerr:.1e}, equal to eager {same}, on {out.device}, graphs "
+        f"{len(graphs)} with {sorted(_ops(graphs))}; first call {first:.1f} s, median {ms_c:.2f} ms "
+        f"compiled vs {ms_e:.2f} ms eager"
+    )
 
 
 def case_varlen_out(ctx):
@@ -148,21 +169,39 @@ def case_varlen_out(ctx):
 
     @torch.compile(fullgraph=True, backend=_recording("inductor", graphs))
     def attend(q, k, v, bt, sk, starts, out):
-        return turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, seqstart_q=starts, min_seqlen_q=1, out=out,
-                                           window_size=(64, 0), return_lse=True, session=ctx["session"],
-                                           device=ctx["device"])
+        return turbine_fmha.fmha_fwd_paged(
+            q,
+            k,
+            v,
+            bt,
+            sk,
+            seqstart_q=starts,
+            min_seqlen_q=1,
+            out=out,
+            window_size=(64, 0),
+            return_lse=True,
+            session=ctx["session"],
+            device=ctx["device"],
+        )
 
     out = torch.full((sum(lens_q), HQ, D), float("nan"), dtype=torch.float16, device=dev)
     got, lse = attend(torch.from_numpy(q).to(dev), tk, tv, tbt, tsk, torch.from_numpy(starts).to(dev), out)
-    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=starts, mask_type="bottom_right",
-                                      window_size_left=64, window_size_right=0)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q, k, v, bt, sk, seqstart_q=starts, mask_type="bottom_right", window_size_left=64, window_size_right=0
+    )
     kept = np.repeat(np.array(lens_q) > 1, lens_q)
     err, lerr = _errors(out, ref[kept], lse[:, torch.from_numpy(kept).to(dev)], ref_lse[:, kept], rows=kept)
     skipped_nan = bool(torch.isnan(out[torch.from_numpy(~kept).to(dev)]).all())
-    ok = got is out and err <= OUT_TOL and lerr <= LSE_TOL and skipped_nan and \
-        "turbine_fmha.fmha_fwd_paged_out.default" in _ops(graphs)
-    return ok, (f"rel err {err:.1e}, LSE err {lerr:.1e}, skipped rows untouched {skipped_nan}, "
-                f"ops {sorted(_ops(graphs))}")
+    ok = (
+        got is out
+        and err <= OUT_TOL
+        and lerr <= LSE_TOL
+        and skipped_nan
+        and "turbine_fmha.fmha_fwd_paged_out.default" in _ops(graphs)
+    )
+    return ok, (
+        f"rel err {err:.1e}, LSE err {lerr:.1e}, skipped rows untouched {skipped_nan}, ops {sorted(_ops(graphs))}"
+    )
 
 
 def case_flash_paged(ctx):
@@ -173,14 +212,25 @@ def case_flash_paged(ctx):
     slopes = (2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ)).astype(np.float32)
 
     def flash(q, k, v, bt, sk, slopes):
-        return flash_attn_with_kvcache(q, k, v, cache_seqlens=sk, block_table=bt, causal=True, alibi_slopes=slopes,
-                                       return_softmax_lse=True, session=ctx["session"], device=ctx["device"])
+        return flash_attn_with_kvcache(
+            q,
+            k,
+            v,
+            cache_seqlens=sk,
+            block_table=bt,
+            causal=True,
+            alibi_slopes=slopes,
+            return_softmax_lse=True,
+            session=ctx["session"],
+            device=ctx["device"],
+        )
 
     args = (torch.from_numpy(q).to(dev), tk, tv, tbt, tsk, torch.from_numpy(slopes).to(dev))
     out, lse = torch.compile(flash, fullgraph=True)(*args)
     want, want_lse = flash(*args)
-    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, mask_type="bottom_right", window_size_right=0,
-                                      alibi_slopes=slopes)
+    ref, ref_lse = fmha_fwd_paged_ref(
+        q, k, v, bt, sk, mask_type="bottom_right", window_size_right=0, alibi_slopes=slopes
+    )
     err, lerr = _errors(out, ref, lse, ref_lse)
     same = torch.equal(out, want) and torch.equal(lse, want_lse)
     return err <= OUT_TOL and lerr <= LSE_TOL and same, f"rel err {err:.1e}, LSE err {lerr:.1e}, equal to eager {same}"
@@ -195,13 +245,15 @@ def case_flash_dense(ctx):
     rows = np.array([5, 0, 3, 1], np.int32)
 
     def flash(q, k, v, rows):
-        return flash_attn_with_kvcache(q, k, v, cache_seqlens=61, cache_batch_idx=rows, causal=True,
-                                       session=ctx["session"], device=ctx["device"])
+        return flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=61, cache_batch_idx=rows, causal=True, session=ctx["session"], device=ctx["device"]
+        )
 
     args = tuple(torch.from_numpy(a).to(dev) for a in (q, k, v, rows))
     out = torch.compile(flash, fullgraph=True)(*args)
-    ref, _ = fmha_fwd_paged_ref(q, k, v, rows[:, None], np.full(4, 61, np.int32), mask_type="bottom_right",
-                                window_size_right=0)
+    ref, _ = fmha_fwd_paged_ref(
+        q, k, v, rows[:, None], np.full(4, 61, np.int32), mask_type="bottom_right", window_size_right=0
+    )
     err, _ = _errors(out, ref)
     same = torch.equal(out, flash(*args))
     return err <= OUT_TOL and same, f"rel err {err:.1e}, equal to eager {same}"
@@ -211,8 +263,10 @@ def case_requires_grad(ctx):
     rng, dev = ctx["rng"], ctx["torch_device"]
     _, (tk, tv, tbt, tsk) = _paged(rng, [40, 9], dev)
     q = torch.randn((2, 1, HQ, D), dtype=torch.float16, device=dev, requires_grad=True)
-    fn = torch.compile(lambda q: turbine_fmha.fmha_fwd_paged(q, tk, tv, tbt, tsk, session=ctx["session"],
-                                                             device=ctx["device"]), fullgraph=True)
+    fn = torch.compile(
+        lambda q: turbine_fmha.fmha_fwd_paged(q, tk, tv, tbt, tsk, session=ctx["session"], device=ctx["device"]),
+        fullgraph=True,
+    )
     try:
         fn(q)
     except Exception as e:
@@ -235,15 +289,28 @@ def case_kv_writes(ctx):
     k[np.isnan(k)], v[np.isnan(v)] = 0, 0  # appends read no spare page; keep the comparison exact
     tk, tv = (torch.from_numpy(a).to(dev) for a in (k, v))
     q = torch.from_numpy(rng.standard_normal((2, 1, HQ, D), dtype=np.float32).astype(np.float16)).to(dev)
-    new_k, new_v = (torch.from_numpy(rng.standard_normal((2, 1, HK, D), dtype=np.float32).astype(np.float16))
-                    .to(dev) for _ in range(2))
+    new_k, new_v = (
+        torch.from_numpy(rng.standard_normal((2, 1, HK, D), dtype=np.float32).astype(np.float16)).to(dev)
+        for _ in range(2)
+    )
     slots = torch.from_numpy(np.array([[bt[0, 2] * PAGE + 9], [bt[1, 0] * PAGE + 12]])).to(dev)
 
     def step(q, kc, vc, nk, nv):
-        out = flash_attn_with_kvcache(q, kc, vc, k=nk, v=nv, cache_seqlens=tsk, block_table=tbt, causal=True,
-                                      session=ctx["session"], device=ctx["device"])
-        turbine_fmha.reshape_and_cache(nk[:, 0], nv[:, 0], kc, vc, slots.reshape(-1), session=ctx["session"],
-                                       device=ctx["device"])
+        out = flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            k=nk,
+            v=nv,
+            cache_seqlens=tsk,
+            block_table=tbt,
+            causal=True,
+            session=ctx["session"],
+            device=ctx["device"],
+        )
+        turbine_fmha.reshape_and_cache(
+            nk[:, 0], nv[:, 0], kc, vc, slots.reshape(-1), session=ctx["session"], device=ctx["device"]
+        )
         return out * 1
 
     ek, ev = tk.clone(), tv.clone()
@@ -261,17 +328,21 @@ def main() -> int:
     args = ap.parse_args()
     extra = dict(compile_missing=True, cache_dir=args.cache) if args.cache else {}
     session = turbine_fmha.Session(args.device, artifact_dir=args.artifacts, **extra)
-    ctx = dict(session=session, device=args.device, torch_device=session.torch_device,
-               rng=np.random.default_rng(0))
-    print(f"torch {torch.__version__}, device {session.torch_device}"
-          + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""), flush=True)
-    cases = [("decode layer, inductor", lambda: case_decode_module(ctx, "inductor")),
-             ("decode layer, aot_eager", lambda: case_decode_module(ctx, "aot_eager")),
-             ("varlen prefill+decode into out= (inductor)", lambda: case_varlen_out(ctx)),
-             ("flash_attn_with_kvcache paged, causal + ALiBi", lambda: case_flash_paged(ctx)),
-             ("flash_attn_with_kvcache non-paged, cache_batch_idx", lambda: case_flash_dense(ctx)),
-             ("q requiring grad is refused", lambda: case_requires_grad(ctx)),
-             ("in-call append and reshape_and_cache compiled (aot_eager)", lambda: case_kv_writes(ctx))]
+    ctx = dict(session=session, device=args.device, torch_device=session.torch_device, rng=np.random.default_rng(0))
+    print(
+        f"torch {torch.__version__}, device {session.torch_device}"
+        + (f" ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else ""),
+        flush=True,
+    )
+    cases = [
+        ("decode layer, inductor", lambda: case_decode_module(ctx, "inductor")),
+        ("decode layer, aot_eager", lambda: case_decode_module(ctx, "aot_eager")),
+        ("varlen prefill+decode into out= (inductor)", lambda: case_varlen_out(ctx)),
+        ("flash_attn_with_kvcache paged, causal + ALiBi", lambda: case_flash_paged(ctx)),
+        ("flash_attn_with_kvcache non-paged, cache_batch_idx", lambda: case_flash_dense(ctx)),
+        ("q requiring grad is refused", lambda: case_requires_grad(ctx)),
+        ("in-call append and reshape_and_cache compiled (aot_eager)", lambda: case_kv_writes(ctx)),
+    ]
     failed = 0
     for name, run in cases:
         try:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-import turbine_fmha  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
+import turbine_fmha
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 TOL = 5e-3  # fp16 output: a few ulps of |out| <= max|V| plus f32 accumulation
 
@@ -59,20 +59,25 @@ def _plan_run_layers(session, rng, qt, kt, vt, bt, sl, sample) -> bool:
     the second pass reuses the caches each plan bound; then a cache of
     another shape and one resized in place must be refused by name."""
     pages, page, hk, d = kt.shape
-    attn = turbine_fmha.PagedAttention(session).plan(bt, sl, num_pages=pages, page_block_size=page,
-                                                     nhead_q=qt.shape[2], nhead_k=hk, hdim=d, dtype="f16")
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt, sl, num_pages=pages, page_block_size=page, nhead_q=qt.shape[2], nhead_k=hk, hdim=d, dtype="f16"
+    )
     layers = [(kt, vt)] + [tuple(torch.from_numpy(x).cuda() for x in _pool(rng, pages, page, hk, d)) for _ in (1, 2)]
     err = 0.0
     for _ in range(2):
         for kk, vv in layers:
-            ref, _ = fmha_fwd_paged_ref(qt[sample].cpu().numpy(), kk.cpu().numpy(), vv.cpu().numpy(),
-                                        bt[sample], sl[sample])
+            ref, _ = fmha_fwd_paged_ref(
+                qt[sample].cpu().numpy(), kk.cpu().numpy(), vv.cpu().numpy(), bt[sample], sl[sample]
+            )
             err = max(err, _err(attn.run(qt, kk, vv)[sample], ref))
     refused = []
     short = layers[1][0][:-1]
     resized = layers[2][1]
     resized.resize_(pages - 1, page, hk, d)  # same tensor, bound before: checked again
-    for label, kk, vv in (("a shorter k_cache", short, layers[1][1]), ("a v_cache resized in place", layers[2][0], resized)):
+    for label, kk, vv in (
+        ("a shorter k_cache", short, layers[1][1]),
+        ("a v_cache resized in place", layers[2][0], resized),
+    ):
         try:
             attn.run(qt, kk, vv)
             refused.append(f"{label}: NOT refused")
@@ -94,8 +99,11 @@ def main() -> int:
     def report(label, ms, err, out, extra=""):
         nonlocal ok
         dev = out.device if isinstance(out, torch.Tensor) else "numpy (host)"
-        print(f"{label}: median {ms:.2f} ms per API call, rel err {err:.2e}, output on {dev}, "
-              f"kernel {session.last_variant.name}{extra}", flush=True)
+        print(
+            f"{label}: median {ms:.2f} ms per API call, rel err {err:.2e}, output on {dev}, "
+            f"kernel {session.last_variant.name}{extra}",
+            flush=True,
+        )
         ok &= err <= TOL
 
     # Decode, batch 32 x 4096 keys.
@@ -108,9 +116,11 @@ def main() -> int:
     kt, vt, qt = (torch.from_numpy(x).cuda() for x in (k, v, q))
     sample = [0, b - 1]
     ref, _ = fmha_fwd_paged_ref(q[sample], k, v, bt[sample], sl[sample])
-    for label, (qq, kk, vv) in (("decode b32, host numpy caches", (q, k, v)),
-                                ("decode b32, torch CUDA q and caches", (qt, kt, vt))):
-        call = lambda: turbine_fmha.fmha_fwd_paged(qq, kk, vv, bt, sl, session=session, device="cuda")  # noqa: E731
+    for label, (qq, kk, vv) in (
+        ("decode b32, host numpy caches", (q, k, v)),
+        ("decode b32, torch CUDA q and caches", (qt, kt, vt)),
+    ):
+        call = lambda: turbine_fmha.fmha_fwd_paged(qq, kk, vv, bt, sl, session=session, device="cuda")
         ms = _timed(call)
         out = call()
         report(label, ms, _err(out[sample], ref), out)
@@ -121,10 +131,10 @@ def main() -> int:
     # score sentinel and the mask remove it) and the unguarded kernel runs;
     # in V as well the guarded one must.
     kt_nan, vt_nan = kt.clone(), vt.clone()
-    kt_nan[int(bt[3, -1]), page - 2:] = float("nan")
-    vt_nan[int(bt[3, -1]), page - 2:] = float("nan")
+    kt_nan[int(bt[3, -1]), page - 2 :] = float("nan")
+    vt_nan[int(bt[3, -1]), page - 2 :] = float("nan")
     for label, vv, guarded in (("K", vt, False), ("K and V", vt_nan, True)):
-        call = lambda: turbine_fmha.fmha_fwd_paged(qt, kt_nan, vv, bt, sl, session=session, device="cuda")  # noqa: E731
+        call = lambda: turbine_fmha.fmha_fwd_paged(qt, kt_nan, vv, bt, sl, session=session, device="cuda")
         ms = _timed(call)
         out = call()
         report(f"decode b32, torch CUDA caches with NaN stale {label} rows", ms, _err(out[sample], ref), out)
@@ -132,18 +142,28 @@ def main() -> int:
     # The guarded kernel with NaN where the reference propagates it too: in
     # one q row and in one visible key's K; the NaN rows must match exactly.
     qn, kn, vn = q.copy(), k.copy(), v.copy()
-    kn[int(bt[3, -1]), page - 2:] = np.nan  # stale, as above
-    vn[int(bt[3, -1]), page - 2:] = np.nan
+    kn[int(bt[3, -1]), page - 2 :] = np.nan  # stale, as above
+    vn[int(bt[3, -1]), page - 2 :] = np.nan
     qn[5, 0, 7, 0] = np.nan
     kn[int(bt[9, 2]), 3, 1, 0] = np.nan  # key 35 of sequence 9, KV head 1 (query heads 4-7)
-    out = turbine_fmha.fmha_fwd_paged(torch.from_numpy(qn).cuda(), torch.from_numpy(kn).cuda(),
-                                      torch.from_numpy(vn).cuda(), bt, sl, session=session, device="cuda")
+    out = turbine_fmha.fmha_fwd_paged(
+        torch.from_numpy(qn).cuda(),
+        torch.from_numpy(kn).cuda(),
+        torch.from_numpy(vn).cuda(),
+        bt,
+        sl,
+        session=session,
+        device="cuda",
+    )
     rows = [3, 5, 9]
     refn, _ = fmha_fwd_paged_ref(qn[rows], kn, vn, bt[rows], sl[rows])
     got = torch.isnan(out).cpu().numpy()
     same = np.array_equal(got[rows], np.isnan(refn)) and not got[[i for i in range(b) if i not in rows]].any()
-    print(f"guarded kernel, NaN in q and in a visible K: NaN rows as the reference: {same} "
-          f"({int(np.isnan(refn).any(-1).sum())} NaN head rows), kernel {session.last_variant.name}", flush=True)
+    print(
+        f"guarded kernel, NaN in q and in a visible K: NaN rows as the reference: {same} "
+        f"({int(np.isnan(refn).any(-1).sum())} NaN head rows), kernel {session.last_variant.name}",
+        flush=True,
+    )
     ok &= same and session.last_variant.v_guard
 
     # fp8 (e4m3fn) torch CUDA caches, imported as their bytes, f16 q.
@@ -152,8 +172,9 @@ def main() -> int:
 
     k8, v8 = (t.cpu().view(torch.int8).numpy().view(ml_dtypes.float8_e4m3fn) for t in (k8t, v8t))
     ref8, _ = fmha_fwd_paged_ref(q[sample], k8, v8, bt[sample], sl[sample], k_scale=0.5, v_scale=2.0)
-    call = lambda: turbine_fmha.fmha_fwd_paged(qt, k8t, v8t, bt, sl, k_scale=0.5, v_scale=2.0,  # noqa: E731
-                                               session=session, device="cuda")
+    call = lambda: turbine_fmha.fmha_fwd_paged(
+        qt, k8t, v8t, bt, sl, k_scale=0.5, v_scale=2.0, session=session, device="cuda"
+    )
     ms = _timed(call)
     out = call()
     report("decode b32, fp8 e4m3fn torch CUDA caches (zero-copy bytes)", ms, _err(out[sample], ref8), out)
@@ -167,13 +188,19 @@ def main() -> int:
     k1t, v1t, q1t = (torch.from_numpy(x).cuda() for x in (k1, v1, q1))
     ref1, ref1_lse = fmha_fwd_paged_ref(q1, k1, v1, bt1, sl1)
     for splits in (1, None):
-        call = lambda: turbine_fmha.fmha_fwd_paged(q1t, k1t, v1t, bt1, sl1, num_splits=splits,  # noqa: E731
-                                                   return_lse=True, session=session, device="cuda")
+        call = lambda: turbine_fmha.fmha_fwd_paged(
+            q1t, k1t, v1t, bt1, sl1, num_splits=splits, return_lse=True, session=session, device="cuda"
+        )
         ms = _timed(call)
         out, lse = call()
         lse_err = float(np.abs(lse.cpu().numpy() - ref1_lse).max())
-        report(f"decode b1 x 32k keys, torch CUDA, num_splits={splits}", ms, _err(out, ref1), out,
-               f", LSE abs err {lse_err:.1e}")
+        report(
+            f"decode b1 x 32k keys, torch CUDA, num_splits={splits}",
+            ms,
+            _err(out, ref1),
+            out,
+            f", LSE abs err {lse_err:.1e}",
+        )
         ok &= lse_err <= 1e-3
 
     # Varlen: two prefills and two decodes in one group-mode call.
@@ -184,7 +211,7 @@ def main() -> int:
     btg = np.zeros((4, max(need)), np.int32) - 1
     at = 0
     for i, n in enumerate(need):
-        btg[i, :n] = perm[at:at + n]
+        btg[i, :n] = perm[at : at + n]
         at += n
     slg = np.array(lens_k, np.int32)
     qg = rng.standard_normal((sum(lens_q), hq, d), dtype=np.float32).astype(np.float16)
@@ -192,7 +219,7 @@ def main() -> int:
     kw = dict(seqstart_q=seqstart, mask_type="bottom_right", window_size_right=0)
     refg, _ = fmha_fwd_paged_ref(qg, kg, vg, btg, slg, **kw)
     qgt, kgt, vgt = (torch.from_numpy(x).cuda() for x in (qg, kg, vg))
-    call = lambda: turbine_fmha.fmha_fwd_paged(qgt, kgt, vgt, btg, slg, session=session, device="cuda", **kw)  # noqa: E731
+    call = lambda: turbine_fmha.fmha_fwd_paged(qgt, kgt, vgt, btg, slg, session=session, device="cuda", **kw)
     ms = _timed(call)
     out = call()
     report("group mode 2 prefills + 2 decodes, torch CUDA", ms, _err(out, refg), out)
@@ -205,8 +232,9 @@ def main() -> int:
     slc = np.array([4096, 100, 2049, 1], np.int32)
     qc = q[:4].copy()
     outc = torch.empty((4, 1, hq, d), dtype=torch.float16, device="cuda")
-    call = lambda: turbine_fmha.fmha_fwd_kvcache(torch.from_numpy(qc).cuda(), kc, vc, slc,  # noqa: E731
-                                                 cache_batch_idx=idx, out=outc, session=session, device="cuda")
+    call = lambda: turbine_fmha.fmha_fwd_kvcache(
+        torch.from_numpy(qc).cuda(), kc, vc, slc, cache_batch_idx=idx, out=outc, session=session, device="cuda"
+    )
     ms = _timed(call)
     got = call()
     ok &= got is outc

@@ -17,16 +17,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench
-import iree.runtime as rt  # noqa: E402
+import bench
+import iree.runtime as rt
+from bench import HQ, PAGE, SHAPES, make_inputs, median_ms
 
-from turbine_fmha.runtime.invoke import _Loaded  # noqa: E402
-
-import bench  # noqa: E402
-from bench import HQ, PAGE, SHAPES, make_inputs, median_ms  # noqa: E402
-from turbine_fmha.calls.mask import MaskSpec  # noqa: E402
-from turbine_fmha.calls.plan import KernelCall, kernel_steps  # noqa: E402
-from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
-from turbine_fmha.kernels.variants import Variant  # noqa: E402
+from turbine_fmha.calls.mask import MaskSpec
+from turbine_fmha.calls.plan import KernelCall, kernel_steps
+from turbine_fmha.kernels.variants import Variant
+from turbine_fmha.runtime.invoke import _Loaded
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
 def main() -> int:
@@ -44,10 +43,23 @@ def main() -> int:
     bench.PAGE = args.page  # make_inputs pages by the module's PAGE
     q, kc, vc, bt, sk = make_inputs(rng, shape, v.dtype)
     b, sq = shape["batch"], shape["seqlen_q"]
-    call = KernelCall(rows=sq, q_itemsize=q.itemsize, nhead_q=HQ, block_table=bt, seqlen_q=np.full(b, sq, np.int32),
-                      seqlen_k=sk, kv_shift=np.zeros(b, np.int32), scale=1 / math.sqrt(v.hdim_q), softcap=0.0,
-                      scale_o=1.0, scale_p=1.0, mask=MaskSpec(v.mask, -1, 0 if v.mask != "none" else -1),
-                      alibi_slopes=None, bias=None, sinks=None)
+    call = KernelCall(
+        rows=sq,
+        q_itemsize=q.itemsize,
+        nhead_q=HQ,
+        block_table=bt,
+        seqlen_q=np.full(b, sq, np.int32),
+        seqlen_k=sk,
+        kv_shift=np.zeros(b, np.int32),
+        scale=1 / math.sqrt(v.hdim_q),
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec(v.mask, -1, 0 if v.mask != "none" else -1),
+        alibi_slopes=None,
+        bias=None,
+        sinks=None,
+    )
     config = rt.Config(args.device)
     dev = config.device
     kc_d, vc_d = rt.asdevicearray(dev, kc), rt.asdevicearray(dev, vc)

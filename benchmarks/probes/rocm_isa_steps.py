@@ -39,12 +39,19 @@ TARGETS = ("gfx942", "gfx950")
 def _row(target: str, label: str, report: dict) -> dict:
     loop = report.get("main_loop") or {}
     k = next((k for k in report["kernels"] if k["name"] == loop.get("kernel")), None)
-    return dict(target=target, kernel=label, config=report.get("attention_config", ""),
-                **{f: loop.get(f) for f in ("mfma", "mfma_ops", "valu", "salu", "lds_reads", "lds_writes", "global_loads",
-                                            "instructions")},
-                vgprs=None if k is None else k["vgpr_count"] + k["agpr_count"],
-                waves_per_simd=None if k is None else k["waves_per_simd"],
-                lds_bytes=None if k is None else k["lds_bytes"], spills=report["spills"])
+    return dict(
+        target=target,
+        kernel=label,
+        config=report.get("attention_config", ""),
+        **{
+            f: loop.get(f)
+            for f in ("mfma", "mfma_ops", "valu", "salu", "lds_reads", "lds_writes", "global_loads", "instructions")
+        },
+        vgprs=None if k is None else k["vgpr_count"] + k["agpr_count"],
+        waves_per_simd=None if k is None else k["waves_per_simd"],
+        lds_bytes=None if k is None else k["lds_bytes"],
+        spills=report["spills"],
+    )
 
 
 def main() -> int:
@@ -68,19 +75,38 @@ def main() -> int:
             for v in VARIANTS:
                 _, report, _ = compiler._compile_one(kernels.render_variant(parse_kernel(v)), v, out, target)
                 rows.append(_row(name, v, report))
-            for tag, extra in (("IREE config", ()), ("IREE tuning specs", ("--iree-codegen-enable-default-tuning-specs",))):
+            for tag, extra in (
+                ("IREE config", ()),
+                ("IREE tuning specs", ("--iree-codegen-enable-default-tuning-specs",)),
+            ):
                 t = dataclasses.replace(target, flags=tuple(target.flags) + extra)
                 _, report, _ = compiler._compile_one(roof.mlir(), roof.NAME, out, t)
                 rows.append(_row(name, f"roof: static attention 32x4096x4096x128 f16 ({tag})", report))
-            for r in rows[-len(VARIANTS) - 2:]:
+            for r in rows[-len(VARIANTS) - 2 :]:
                 print(json.dumps(r), flush=True)
-    cols = ("mfma", "mfma_ops", "valu", "salu", "lds_reads", "lds_writes", "global_loads", "instructions", "vgprs",
-            "waves_per_simd", "lds_bytes", "spills")
+    cols = (
+        "mfma",
+        "mfma_ops",
+        "valu",
+        "salu",
+        "lds_reads",
+        "lds_writes",
+        "global_loads",
+        "instructions",
+        "vgprs",
+        "waves_per_simd",
+        "lds_bytes",
+        "spills",
+    )
     print()
     print("| target | kernel | attention config | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for r in rows:
-        print(f"| {r['target']} | {r['kernel']} | {r['config']} | " + " | ".join(", ".join(r[c]) if isinstance(r[c], list) else str(r[c]) for c in cols) + " |")
+        print(
+            f"| {r['target']} | {r['kernel']} | {r['config']} | "
+            + " | ".join(", ".join(r[c]) if isinstance(r[c], list) else str(r[c]) for c in cols)
+            + " |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from turbine_fmha.build.compiler import iree_compile_path  # noqa: E402
-from turbine_fmha.kernels.custom_ops import render_variant  # noqa: E402
-from turbine_fmha.build.targets import get_target  # noqa: E402
-from turbine_fmha.kernels.variants import Variant  # noqa: E402
+from turbine_fmha.build.compiler import iree_compile_path
+from turbine_fmha.build.targets import get_target
+from turbine_fmha.kernels.custom_ops import render_variant
+from turbine_fmha.kernels.variants import Variant
 
 
 def main(variant: str, target: str, field: str, values: str) -> int:
@@ -37,8 +37,18 @@ def main(variant: str, target: str, field: str, values: str) -> int:
         src = tmp / "kernel.mlir"
         src.write_text(render_variant(Variant.parse(variant)))
         cfg = tmp / "configs"
-        subprocess.run([iree_compile_path(), str(src), *t.flags, "--compile-to=executable-configurations",
-                        f"--iree-hal-dump-executable-configurations-to={cfg}", "-o", str(tmp / "c.mlir")], check=True)
+        subprocess.run(
+            [
+                iree_compile_path(),
+                str(src),
+                *t.flags,
+                "--compile-to=executable-configurations",
+                f"--iree-hal-dump-executable-configurations-to={cfg}",
+                "-o",
+                str(tmp / "c.mlir"),
+            ],
+            check=True,
+        )
         path = next(p for p in sorted(cfg.glob("*.mlir")) if "online_attention" in p.read_text())
         text = path.read_text()
         op = text.index("iree_linalg_ext.online_attention")
@@ -47,9 +57,18 @@ def main(variant: str, target: str, field: str, values: str) -> int:
         edited = tmp / path.name
         edited.write_text(text[: m.start(2)] + values + text[m.end(2) :])
         name = re.search(r"hal\.executable public @([\w$.]+)", text).group(1)
-        proc = subprocess.run([iree_compile_path(), str(src), *t.flags,
-                               f"--iree-hal-substitute-executable-configuration={name}={edited}",
-                               "-o", str(tmp / "k.vmfb")], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                iree_compile_path(),
+                str(src),
+                *t.flags,
+                f"--iree-hal-substitute-executable-configuration={name}={edited}",
+                "-o",
+                str(tmp / "k.vmfb"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         errors = [line for line in proc.stderr.splitlines() if "error:" in line]
         print("\n".join(errors[:3]) if errors else "compiled")
         return 1 if errors or proc.returncode else 0

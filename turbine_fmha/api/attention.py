@@ -12,6 +12,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..calls.modes import active_sequences, bias_rows, gappy_table, regroup
+from ..calls.plan import (
+    KernelCall,
+    combine_splits,
+    decode_splits,
+    kernel_steps,
+    merged_decode_splits,
+    num_splits_heuristic,
+    repeat_rows,
+    rows_finite,
+    split_kv,
+    stale_rows,
+)
+from ..calls.problem import Problem, layout_of_params, problem, scores, tables
 from ..core.arrays import (
     _cache_array,
     _check_tensor_devices,
@@ -26,24 +40,10 @@ from ..core.arrays import (
     torch_writes_done,
 )
 from ..core.checks import check_int, check_out
-from .conventions import conventions
-from ..calls.modes import active_sequences, bias_rows, gappy_table, regroup
-from ..calls.plan import (
-    KernelCall,
-    combine_splits,
-    decode_splits,
-    kernel_steps,
-    merged_decode_splits,
-    num_splits_heuristic,
-    repeat_rows,
-    split_kv,
-    stale_rows,
-    rows_finite,
-)
-from ..calls.problem import Problem, layout_of_params, problem, scores, tables
-from ..runtime.session import Session, resolve_session
 from ..core.tracing import check_no_grad, untraced_methods
 from ..kernels.variants import bias_shape_of, group_rows_for
+from ..runtime.session import Session, resolve_session
+from .conventions import conventions
 
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
@@ -80,21 +80,63 @@ class PagedAttention:
         self.session = resolve_session(session, device)
         self._plan: _Plan | None = None
 
-    def plan(self, block_table, seqlen_k, *, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None,
-             dtype="f16", kv_dtype=None, v_layout="row", kv_layout="NHD", seqlen_q=1, seqstart_q=None,
-             kv_offset=None, min_seqlen_q=0, num_splits=None, kv_rows_finite=None, causal=False, softmax_scale=None,
-             window_size=None, **score_terms) -> "PagedAttention":
-        score_terms.update(conventions(  # flash-attn's spellings (flash_attn.py)
-            scale=score_terms.pop("scale", None), softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, mask_type=score_terms.pop("mask_type", "none"),
-            window_size_left=score_terms.pop("window_size_left", -1),
-            window_size_right=score_terms.pop("window_size_right", -1)))
-        _check_tensor_devices(self.session.device, block_table=block_table, seqlen_k=seqlen_k,
-                              seqstart_q=seqstart_q, kv_offset=kv_offset,
-                              **{k: v for k, v in score_terms.items() if k in ("alibi_slopes", "bias", "sinks")})
-        layout = layout_of_params(num_pages=num_pages, page_block_size=page_block_size, nhead_q=nhead_q,
-                                  nhead_k=nhead_k, hdim=hdim, hdim_v=hdim_v, dtype=dtype, kv_dtype=kv_dtype,
-                                  v_layout=v_layout, kv_layout=kv_layout)
+    def plan(
+        self,
+        block_table,
+        seqlen_k,
+        *,
+        num_pages,
+        page_block_size,
+        nhead_q,
+        nhead_k,
+        hdim,
+        hdim_v=None,
+        dtype="f16",
+        kv_dtype=None,
+        v_layout="row",
+        kv_layout="NHD",
+        seqlen_q=1,
+        seqstart_q=None,
+        kv_offset=None,
+        min_seqlen_q=0,
+        num_splits=None,
+        kv_rows_finite=None,
+        causal=False,
+        softmax_scale=None,
+        window_size=None,
+        **score_terms,
+    ) -> PagedAttention:
+        score_terms.update(
+            conventions(  # flash-attn's spellings (flash_attn.py)
+                scale=score_terms.pop("scale", None),
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                mask_type=score_terms.pop("mask_type", "none"),
+                window_size_left=score_terms.pop("window_size_left", -1),
+                window_size_right=score_terms.pop("window_size_right", -1),
+            )
+        )
+        _check_tensor_devices(
+            self.session.device,
+            block_table=block_table,
+            seqlen_k=seqlen_k,
+            seqstart_q=seqstart_q,
+            kv_offset=kv_offset,
+            **{k: v for k, v in score_terms.items() if k in ("alibi_slopes", "bias", "sinks")},
+        )
+        layout = layout_of_params(
+            num_pages=num_pages,
+            page_block_size=page_block_size,
+            nhead_q=nhead_q,
+            nhead_k=nhead_k,
+            hdim=hdim,
+            hdim_v=hdim_v,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            v_layout=v_layout,
+            kv_layout=kv_layout,
+        )
         if seqstart_q is None:
             rows = np.shape(_to_numpy(block_table, "block_table"))
             q_shape = (rows[0] if rows else 0, check_int(seqlen_q, "seqlen_q", minimum=0))
@@ -130,8 +172,9 @@ class _Plan:
         # kernels (group padding, splits).
         lens = t.seqlens_q[self.active]
         mixed = active is None and t.group and (lens == 1).any() and (lens > 1).any()
-        self.parts = [_Plan(p, session, keep_binds, self.active[sel]) for sel in (lens == 1, lens > 1)] \
-            if mixed else [self]
+        self.parts = (
+            [_Plan(p, session, keep_binds, self.active[sel]) for sel in (lens == 1, lens > 1)] if mixed else [self]
+        )
         self._variants: dict[bool, object] = {}
         self._steps: dict[object, list] = {}
         self._index: dict[object, tuple] = {}
@@ -140,15 +183,30 @@ class _Plan:
         if self.rows == 0 or mixed:
             return
         bt, shift = gappy_table(t, self.active, lay.page_block_size)
-        bias = None if s.bias is None else bias_rows(s.bias, t, self.active, self.rows, shift,
-                                                      bt.shape[1] * lay.page_block_size)
+        bias = (
+            None
+            if s.bias is None
+            else bias_rows(s.bias, t, self.active, self.rows, shift, bt.shape[1] * lay.page_block_size)
+        )
         call = KernelCall(
-            rows=self.rows, q_itemsize=lay.q_dtype.itemsize, nhead_q=lay.nhead_q, block_table=bt,
-            seqlen_q=t.seqlens_q[self.active].astype(np.int32), seqlen_k=t.seqlen_k[self.active].astype(np.int32),
-            kv_shift=shift.astype(np.int32), scale=s.scale * s.q_scale * s.k_scale, softcap=s.softcap,
-            scale_o=s.v_scale / (s.p_scale * s.out_scale) if lay.static_quant else s.v_scale, scale_p=s.p_scale,
-            mask=s.mask, alibi_slopes=None if s.alibi_slopes is None else np.ascontiguousarray(
-                s.alibi_slopes[self.active], np.float32), bias=bias, sinks=s.sinks)
+            rows=self.rows,
+            q_itemsize=lay.q_dtype.itemsize,
+            nhead_q=lay.nhead_q,
+            block_table=bt,
+            seqlen_q=t.seqlens_q[self.active].astype(np.int32),
+            seqlen_k=t.seqlen_k[self.active].astype(np.int32),
+            kv_shift=shift.astype(np.int32),
+            scale=s.scale * s.q_scale * s.k_scale,
+            softcap=s.softcap,
+            scale_o=s.v_scale / (s.p_scale * s.out_scale) if lay.static_quant else s.v_scale,
+            scale_p=s.p_scale,
+            mask=s.mask,
+            alibi_slopes=None
+            if s.alibi_slopes is None
+            else np.ascontiguousarray(s.alibi_slopes[self.active], np.float32),
+            bias=bias,
+            sinks=s.sinks,
+        )
         self.stale = stale_rows(bt, call.seqlen_k, call.kv_shift, lay.page_block_size)
         # merge: the split count that a variant merges in the module (0: the
         # partials are merged here, combine_splits).
@@ -157,16 +215,22 @@ class _Plan:
         self.merge = self.merge if self.merge == self.splits else 0
         self.call = split_kv(call, lay.page_block_size, self.splits, self.merge > 1) if self.splits > 1 else call
         self.key = self._key(self.splits, bias_shape_of(self.call.bias), self.merge > 1)
-        self.guard_free = (session._formulation_for(self.key, self.rows == 1) == "online"
-                           and lay.v_layout == "row" and not lay.kv_dtype)
+        self.guard_free = (
+            session._formulation_for(self.key, self.rows == 1) == "online"
+            and lay.v_layout == "row"
+            and not lay.kv_dtype
+        )
 
     def _key(self, splits: int, bias_shape: str, merged: bool = False) -> dict:
         """The variant key of the call in `splits` splits (`merged` in the
         module, which adds the sinks), its bias (if any) of `bias_shape`."""
         p, s = self.p, self.p.scores
         key = dict(p.key, bias_shape=bias_shape, sinks=p.key["sinks"] and (splits == 1 or merged))
-        if self.rows == 1 and not s.mask.decode_needs_mask(s.alibi_slopes is not None) \
-                and self.session.serves(dict(key, mask="none"), True):
+        if (
+            self.rows == 1
+            and not s.mask.decode_needs_mask(s.alibi_slopes is not None)
+            and self.session.serves(dict(key, mask="none"), True)
+        ):
             key["mask"] = "none"  # GPU default sets have decode tiles only without a mask
         return key
 
@@ -181,8 +245,11 @@ class _Plan:
             return self.p.num_splits, self.p.num_splits if self.p.num_splits in merges else 0
         if lay.static_quant:
             return 1, 0
-        if self.rows == 1 and self.session._formulation_for(split_key, True) == "online" \
-                and group_rows_for(split_key, 1):
+        if (
+            self.rows == 1
+            and self.session._formulation_for(split_key, True) == "online"
+            and group_rows_for(split_key, 1)
+        ):
             merge = merged_decode_splits(call.batch * lay.nhead_k, self.session.compute_units, keys, merges)
             if merge > 1:
                 return merge, merge
@@ -196,8 +263,9 @@ class _Plan:
     def _variant(self, rows_finite: bool):
         v = self._variants.get(rows_finite)
         if v is None:
-            v = self._variants[rows_finite] = self.session.select(self.key, self.rows, self.call.batch, rows_finite,
-                                                                  self.merge, self.p.scores.mask.has_right_edge)
+            v = self._variants[rows_finite] = self.session.select(
+                self.key, self.rows, self.call.batch, rows_finite, self.merge, self.p.scores.mask.has_right_edge
+            )
         return v
 
     def _device_steps(self, variant, results) -> list:
@@ -267,24 +335,39 @@ class _Plan:
         info = _TensorInfo(q) if _is_torch(q) else _to_numpy(q, "q")
         want = ((t.total_q,) if t.group else (t.batch, t.seqlen_q)) + (lay.nhead_q, lay.hdim_q)
         if tuple(info.shape) != want or info.dtype != lay.q_dtype:
-            raise ValueError(f"q must have shape {list(want)} and dtype {lay.q_dtype} (as planned), "
-                             f"got {list(info.shape)} {info.dtype}")
+            raise ValueError(
+                f"q must have shape {list(want)} and dtype {lay.q_dtype} (as planned), "
+                f"got {list(info.shape)} {info.dtype}"
+            )
         caches = []
         for name, a, shape in (("k_cache", k_cache, lay.k_shape), ("v_cache", v_cache, lay.v_shape)):
             c = self._bound_cache(name, a)
             if c is None:
                 c = _cache_array(a, name)
                 if tuple(c.shape) != shape or c.dtype != lay.cache_dtype:
-                    raise ValueError(f"{name} must have shape {list(shape)} and dtype {lay.cache_dtype} "
-                                     f"(as planned), got {list(c.shape)} {c.dtype}")
+                    raise ValueError(
+                        f"{name} must have shape {list(shape)} and dtype {lay.cache_dtype} "
+                        f"(as planned), got {list(c.shape)} {c.dtype}"
+                    )
             caches.append(c)
         if isinstance(caches[0], _DeviceCache) != isinstance(caches[1], _DeviceCache):
             raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
-        torch_results = (_is_torch(q) and not lay.static_quant and (out is None or _is_torch(out))
-                         and str(q.device) == session.torch_device)
+        torch_results = (
+            _is_torch(q)
+            and not lay.static_quant
+            and (out is None or _is_torch(out))
+            and str(q.device) == session.torch_device
+        )
         if out is not None:
-            check_out(out, q, torch_results, (info.shape[:-1] + (lay.hdim_v,)), lay.q_dtype,
-                       dict(q=q, k_cache=k_cache, v_cache=v_cache), session)
+            check_out(
+                out,
+                q,
+                torch_results,
+                (info.shape[:-1] + (lay.hdim_v,)),
+                lay.q_dtype,
+                dict(q=q, k_cache=k_cache, v_cache=v_cache),
+                session,
+            )
         return q, *self._bind_caches(caches), torch_results
 
     def _bound_cache(self, name: str, a):
@@ -308,8 +391,9 @@ class _Plan:
                     t = c.source
                     self._binds[(name, id(t))] = (t, _fingerprint(t), c)
             elif isinstance(c, _DeviceCache) and c.array._device is not self.session.device_of():
-                raise ValueError(f"{name} is a DeviceArray of another device than the session's "
-                                 f"({self.session.device})")
+                raise ValueError(
+                    f"{name} is a DeviceArray of another device than the session's ({self.session.device})"
+                )
         return caches
 
     def _direct(self, steps) -> bool:
@@ -318,8 +402,10 @@ class _Plan:
         if len(steps) != 1 or self.p.tables.group or self.splits > max(1, self.merge) or self.p.layout.static_quant:
             return False
         st = steps[0]
-        return (st.b0, st.b1, st.s, st.e) == (0, self.call.batch, 0, self.rows) and \
-            st.tile in (None, (self.call.batch, self.rows))
+        return (st.b0, st.b1, st.s, st.e) == (0, self.call.batch, 0, self.rows) and st.tile in (
+            None,
+            (self.call.batch, self.rows),
+        )
 
     def _call(self, variant, steps, qb, k_cache, v_cache, results, outputs: int) -> list:
         """Each step's first `outputs` results; the steps are queued back

@@ -28,14 +28,22 @@ import threading
 
 import numpy as np
 
-from ..core.arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _to_numpy, aligned_empty, np_dtype,
-                     ops_for)
-from .eager import fmha_fwd_paged
-from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info
-from ..runtime.interop import run_append
+from ..core.arrays import (
+    _check_tensor_devices,
+    _DeviceCache,
+    _dtype_name,
+    _fp8_name,
+    _to_numpy,
+    aligned_empty,
+    np_dtype,
+    ops_for,
+)
 from ..core.tracing import untraced_methods
 from ..kernels.append_kernel import AppendKernel
 from ..kernels.variants import KV_LAYOUTS
+from ..runtime.interop import run_append
+from .eager import fmha_fwd_paged
+from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info
 
 
 class CacheFullError(RuntimeError):
@@ -55,9 +63,25 @@ class PagedKVCache:
     pool: `k`/`v` are then None.
     """
 
-    def __init__(self, num_pages: int, page_block_size: int, nhead_k: int, hdim: int, dtype="f16", *,
-                 hdim_v: int | None = None, session=None, host_mirror: bool = True, kv_layout: str = "NHD"):
-        for name, val in (("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_k", nhead_k), ("hdim", hdim)):
+    def __init__(
+        self,
+        num_pages: int,
+        page_block_size: int,
+        nhead_k: int,
+        hdim: int,
+        dtype="f16",
+        *,
+        hdim_v: int | None = None,
+        session=None,
+        host_mirror: bool = True,
+        kv_layout: str = "NHD",
+    ):
+        for name, val in (
+            ("num_pages", num_pages),
+            ("page_block_size", page_block_size),
+            ("nhead_k", nhead_k),
+            ("hdim", hdim),
+        ):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if not isinstance(host_mirror, bool):
@@ -95,13 +119,15 @@ class PagedKVCache:
                 raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
             # HND pools are written as one-head pages (kv_write.one_head_slots).
             heads = 1 if kv_layout == "HND" else nhead_k
-            self._append_fn = session.append_function(
-                AppendKernel(name, heads, hdim, hdim_v or hdim, page_block_size))
+            self._append_fn = session.append_function(AppendKernel(name, heads, hdim, hdim_v or hdim, page_block_size))
             zeros = (self.k, self.v) if mirror else (np.zeros(s, dt) for s in self._shapes)
             self.k_dev, self.v_dev = (session.device_array(self._raw(z)) for z in zeros)
             self._append_pools = tuple(
                 kernel_cache(session, _Cache(a, s, dt), (num_pages * nhead_k, page_block_size, 1, d))
-                if kv_layout == "HND" else a for a, s, d in zip((self.k_dev, self.v_dev), self._shapes, self._dims))
+                if kv_layout == "HND"
+                else a
+                for a, s, d in zip((self.k_dev, self.v_dev), self._shapes, self._dims)
+            )
 
     # -- sequences -----------------------------------------------------------
 
@@ -122,8 +148,10 @@ class PagedKVCache:
         """A new sequence with `seq`'s tokens, sharing its pages. Needs the
         host mirror (copy-on-write reads a shared page's rows from it)."""
         if self.k is None:
-            raise ValueError("fork needs the host mirror, which copy-on-write reads shared rows from: "
-                             "create the cache with host_mirror=True")
+            raise ValueError(
+                "fork needs the host mirror, which copy-on-write reads shared rows from: "
+                "create the cache with host_mirror=True"
+            )
         with self._lock:
             pages = self._get(seq)
             sid = self._next_id
@@ -178,11 +206,11 @@ class PagedKVCache:
                 raise CacheFullError(
                     f"sequence {seq} needs {need} free pages for {n} tokens, {len(self._free)} are free"
                 )
-            taken = self._free[len(self._free) - need:][::-1]  # the pages pop() would give, in order
+            taken = self._free[len(self._free) - need :][::-1]  # the pages pop() would give, in order
             shared = pages[-1] if cow else None
             if cow:
                 pages[-1] = taken[0]
-            pages += taken[int(cow):]
+            pages += taken[int(cow) :]
             first = length - fill if cow else length  # first row to write
             pos = np.arange(first, length + n)
             rows_p = np.asarray(pages, np.int64)[pos // page]
@@ -198,7 +226,7 @@ class PagedKVCache:
             if self.k is not None:
                 self.k[self._at(rows_p, pos % page)] = k_rows
                 self.v[self._at(rows_p, pos % page)] = v_rows
-            del self._free[len(self._free) - need:]
+            del self._free[len(self._free) - need :]
             if cow:
                 self._refs[shared] -= 1
             self._refs[taken] = 1
@@ -275,8 +303,11 @@ class PagedKVCache:
         with self._lock:
             pages = np.asarray(self._get(seq), np.int64)
             n = self._lens[seq]
-            k, v = (self.k, self.v) if self.k is not None else \
-                (a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
+            k, v = (
+                (self.k, self.v)
+                if self.k is not None
+                else (a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
+            )
         pos = np.arange(n)
         rows = self._at(pages[pos // self.page_block_size], pos % self.page_block_size)
         return k[rows], v[rows]

@@ -23,21 +23,32 @@ from ..core.arrays import _is_torch
 from ..core.checks import check_int
 
 
-def conventions(*, scale=None, softmax_scale=None, causal=False, window_size=None, mask_type="none",
-                window_size_left=-1, window_size_right=-1) -> dict:
+def conventions(
+    *,
+    scale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=None,
+    mask_type="none",
+    window_size_left=-1,
+    window_size_right=-1,
+) -> dict:
     """scale, mask_type, window_size_left and window_size_right from either
     spelling. Two spellings of one thing that disagree raise ValueError
     naming both; values are checked later, by the Problem."""
     if softmax_scale is not None:
         if scale is not None:
-            raise ValueError("scale and softmax_scale are the same argument (softmax_scale is flash-attn's "
-                             "name): pass one of them")
+            raise ValueError(
+                "scale and softmax_scale are the same argument (softmax_scale is flash-attn's name): pass one of them"
+            )
         scale = softmax_scale
     right_name = "window_size_right"
     if window_size is not None:
         if (window_size_left, window_size_right) != (-1, -1):
-            raise ValueError("window_size and window_size_left/window_size_right are the same argument: pass "
-                             "either window_size=(left, right) or the two sides")
+            raise ValueError(
+                "window_size and window_size_left/window_size_right are the same argument: pass "
+                "either window_size=(left, right) or the two sides"
+            )
         window_size_left, window_size_right = _pair(window_size)
         right_name = "window_size[1]"
         # flash-attn's local windows are aligned like its causal mask: to
@@ -52,11 +63,13 @@ def conventions(*, scale=None, softmax_scale=None, causal=False, window_size=Non
         # An unbounded right side (-1) is the default of both spellings:
         # only a positive one contradicts causal.
         if isinstance(window_size_right, numbers.Integral) and window_size_right > 0:
-            raise ValueError(f"causal=True (a right window side of 0) conflicts with {right_name} = "
-                             f"{window_size_right}")
+            raise ValueError(
+                f"causal=True (a right window side of 0) conflicts with {right_name} = {window_size_right}"
+            )
         mask_type, window_size_right = "bottom_right", 0
-    return dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
-                window_size_right=window_size_right)
+    return dict(
+        scale=scale, mask_type=mask_type, window_size_left=window_size_left, window_size_right=window_size_right
+    )
 
 
 def _pair(window_size) -> tuple[int, int]:
@@ -73,8 +86,10 @@ def kvcache_seqlens(q, k_cache, seqlen_k=None, cache_seqlens=None, seqstart_q=No
     tensor in host memory: the tables are read on the host)."""
     if cache_seqlens is not None:
         if seqlen_k is not None:
-            raise ValueError("seqlen_k and cache_seqlens are the same argument (cache_seqlens is flash-attn's "
-                             "name): pass one of them")
+            raise ValueError(
+                "seqlen_k and cache_seqlens are the same argument (cache_seqlens is flash-attn's "
+                "name): pass one of them"
+            )
         seqlen_k, name = cache_seqlens, "cache_seqlens"
     else:
         name = "seqlen_k"

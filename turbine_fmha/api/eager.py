@@ -10,15 +10,14 @@ argument.
 
 from __future__ import annotations
 
-from ..core.arrays import _check_tensor_devices, _is_torch, overlapping
-from .attention import PagedAttention, _Plan
-from ..runtime.session import resolve_session
-from .conventions import conventions, kvcache_seqlens
 from ..calls.modes import paged_view
-from ..runtime.plan_cache import call_key
 from ..calls.problem import from_arrays
-from ..runtime.session import Session, default_session
+from ..core.arrays import _check_tensor_devices, overlapping
 from ..core.tracing import check_no_grad
+from ..runtime.plan_cache import call_key
+from ..runtime.session import Session, default_session, resolve_session
+from .attention import PagedAttention, _Plan
+from .conventions import conventions, kvcache_seqlens
 
 
 def fmha_fwd_paged(
@@ -81,14 +80,43 @@ def fmha_fwd_paged(
     Raises ValueError or TypeError naming the argument, before any kernel
     is loaded or run.
     """
-    terms = conventions(scale=scale, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        mask_type=mask_type, window_size_left=window_size_left, window_size_right=window_size_right)
-    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seqlen_k=seqlen_k,
-                 seqstart_q=seqstart_q, kv_offset=kv_offset, alibi_slopes=alibi_slopes, bias=bias, sinks=sinks)
+    terms = conventions(
+        scale=scale,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        mask_type=mask_type,
+        window_size_left=window_size_left,
+        window_size_right=window_size_right,
+    )
+    given = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seqlen_k=seqlen_k,
+        seqstart_q=seqstart_q,
+        kv_offset=kv_offset,
+        alibi_slopes=alibi_slopes,
+        bias=bias,
+        sinks=sinks,
+    )
     _check_tensor_devices(session.device if isinstance(session, Session) else device, **given, out=out)
-    settings = dict(v_layout=v_layout, kv_layout=kv_layout, min_seqlen_q=min_seqlen_q, num_splits=num_splits,
-                    kv_rows_finite=kv_rows_finite, sink_size=sink_size, logits_soft_cap=logits_soft_cap,
-                    q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, p_scale=p_scale, out_scale=out_scale, **terms)
+    settings = dict(
+        v_layout=v_layout,
+        kv_layout=kv_layout,
+        min_seqlen_q=min_seqlen_q,
+        num_splits=num_splits,
+        kv_rows_finite=kv_rows_finite,
+        sink_size=sink_size,
+        logits_soft_cap=logits_soft_cap,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        p_scale=p_scale,
+        out_scale=out_scale,
+        **terms,
+    )
     check_no_grad(dict(given, out=out))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -99,8 +127,10 @@ def fmha_fwd_paged(
         raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
     attn = PagedAttention(resolve_session(session, device))
     # A call equal to a recent one (a model's next layer) reuses its plan (plan_cache).
-    attn._plan = attn.session.plans.get(call_key(dict(given, **settings)), lambda: _Plan(from_arrays(
-        **given, **settings), attn.session, keep_binds=False))
+    attn._plan = attn.session.plans.get(
+        call_key(dict(given, **settings)),
+        lambda: _Plan(from_arrays(**given, **settings), attn.session, keep_binds=False),
+    )
     return attn.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
 
 
@@ -138,4 +168,3 @@ def fmha_fwd_paged_async(*args, session: Session | None = None, device: str = "c
     if session is None:
         session = default_session(device)
     return session.submit(fmha_fwd_paged, *args, session=session, device=device, **kwargs)
-

@@ -20,11 +20,30 @@ from .eager import fmha_fwd_kvcache, fmha_fwd_paged
 from .kv_write import reshape_and_cache
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            *, session=None, device="cpu"):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    session=None,
+    device="cpu",
+):
     """flash-attn's `flash_attn_with_kvcache`, run by fmha_fwd_paged (with
     block_table) or fmha_fwd_kvcache (without).
 
@@ -63,16 +82,40 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     undo = None
     if appends(k, v, rotary_cos, rotary_sin):
         local = window_size is not None and tuple(window_size) != (-1, -1)
-        q, cache_seqlens, undo = _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-                                         cache_leftpad, (rotary_cos, rotary_sin, rotary_interleaved),
-                                         causal or local, session, device)
+        q, cache_seqlens, undo = _append(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            block_table,
+            cache_batch_idx,
+            cache_leftpad,
+            (rotary_cos, rotary_sin, rotary_interleaved),
+            causal or local,
+            session,
+            device,
+        )
     try:
-        kind, args, kw = attention_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                                        block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                        num_splits=num_splits, return_softmax_lse=return_softmax_lse,
-                                        session=session, device=device)
+        kind, args, kw = attention_call(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad,
+            block_table=block_table,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            num_splits=num_splits,
+            return_softmax_lse=return_softmax_lse,
+            session=session,
+            device=device,
+        )
         return (fmha_fwd_paged if kind == "paged" else fmha_fwd_kvcache)(*args, **kw)
     except BaseException:
         if undo is not None:  # the call failed: the caches get their old rows back
@@ -85,27 +128,53 @@ def appends(k, v, rotary_cos, rotary_sin) -> bool:
     return k is not None or v is not None or rotary_cos is not None or rotary_sin is not None
 
 
-def attention_call(q, k_cache, v_cache, *, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse,
-                   session, device) -> tuple[str, tuple, dict]:
+def attention_call(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+    session,
+    device,
+) -> tuple[str, tuple, dict]:
     """The attention a flash_attn_with_kvcache call (its appends done) runs:
     ("paged" or "kvcache", the positional arguments, the keywords of
     fmha_fwd_paged or fmha_fwd_kvcache). Traceable: torch_ops calls it
     while torch.compile traces."""
     if alibi_slopes is not None and isinstance(softcap, numbers.Real) and softcap > 0:
-        raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap "
-                         "with any bias)")
+        raise ValueError("softcap cannot be combined with alibi_slopes here (ck_tile forbids soft-cap with any bias)")
     splits = check_int(num_splits, "num_splits", minimum=0)
-    common = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, logits_soft_cap=softcap,
-                  alibi_slopes=alibi_slopes, num_splits=splits or None, return_lse=return_softmax_lse,
-                  session=session, device=device, kv_offset=cache_leftpad)
+    common = dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        logits_soft_cap=softcap,
+        alibi_slopes=alibi_slopes,
+        num_splits=splits or None,
+        return_lse=return_softmax_lse,
+        session=session,
+        device=device,
+        kv_offset=cache_leftpad,
+    )
     eager = not compiling()
     if block_table is None:
         seqlen_k = _leftpad(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), cache_leftpad, eager=eager)
         return "kvcache", (q, k_cache, v_cache, seqlen_k), dict(common, cache_batch_idx=cache_batch_idx)
     if cache_batch_idx is not None:
-        raise ValueError("cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
-                         "sequence's pages are its block_table row")
+        raise ValueError(
+            "cache_batch_idx cannot be combined with block_table (as in flash-attn): a paged "
+            "sequence's pages are its block_table row"
+        )
     if cache_seqlens is None:  # flash-attn: each sequence fills its block table row
         bt, kc = tuple(getattr(block_table, "shape", ())), tuple(getattr(k_cache, "shape", ()))
         cache_seqlens = int(bt[1]) * int(kc[1]) if len(bt) == 2 and len(kc) == 4 else 0
@@ -131,8 +200,21 @@ def _leftpad(seqlen_k, cache_leftpad, *, eager: bool):
     return ends.astype(np.int64) - pad
 
 
-def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary,
-            has_mask, session, device):
+def _append(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    cache_batch_idx,
+    cache_leftpad,
+    rotary,
+    has_mask,
+    session,
+    device,
+):
     """flash-attn's in-call append (see flash_attn_with_kvcache). Returns
     (q, rotated when rotary is given; the key counts after the append; a
     function that writes the overwritten rows back, or None for caches
@@ -141,8 +223,9 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_i
     if k is None or v is None:
         if k is not None or v is not None:
             raise ValueError("k and v come together: pass both new keys and new values, or neither")
-        raise NotImplementedError("rotary_cos/rotary_sin without k/v (rotating q alone) is not supported: "
-                                  "rotate q before the call")
+        raise NotImplementedError(
+            "rotary_cos/rotary_sin without k/v (rotating q alone) is not supported: rotate q before the call"
+        )
     if (cos is None) != (sin is None):
         raise ValueError("rotary_cos and rotary_sin come together")
     if cos is not None and cache_leftpad is not None:
@@ -151,8 +234,9 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_i
         raise ValueError("cache_seqlens is required with k/v: the new keys go after cache_seqlens[b] keys")
     k_shape, kc_shape = tuple(getattr(k, "shape", ())), tuple(getattr(k_cache, "shape", ()))
     if len(k_shape) != 4 or len(kc_shape) != 4:
-        raise ValueError(f"k must be [batch, seqlen_new, nheads_k, headdim] and k_cache 4-D, got shapes "
-                         f"{k_shape} and {kc_shape}")
+        raise ValueError(
+            f"k must be [batch, seqlen_new, nheads_k, headdim] and k_cache 4-D, got shapes {k_shape} and {kc_shape}"
+        )
     lens = int_array(kvcache_seqlens(q, k_cache, cache_seqlens=cache_seqlens), "cache_seqlens", 1).astype(np.int64)
     if lens.shape[0] != k_shape[0]:
         raise ValueError(f"cache_seqlens has {lens.shape[0]} entries, k a batch of {k_shape[0]}")
@@ -162,8 +246,13 @@ def _append(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_i
     pos = lens[:, None] + np.arange(k_shape[1])[None, :]
     slots = _append_slots(pos, kc_shape, block_table, cache_batch_idx)
     old = _rows(k_cache, slots), _rows(v_cache, slots)
-    rot = dict(q=q, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=bool(interleaved), seqlen_k=lens,
-               has_mask=has_mask) if cos is not None else {}
+    rot = (
+        dict(
+            q=q, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=bool(interleaved), seqlen_k=lens, has_mask=has_mask
+        )
+        if cos is not None
+        else {}
+    )
     rotated = reshape_and_cache(k, v, k_cache, v_cache, slots, session=session, device=device, **rot)
 
     def undo():
@@ -191,13 +280,16 @@ def _append_slots(pos: np.ndarray, kc_shape: tuple, block_table, cache_batch_idx
     over = np.nonzero(pos[:, -1] >= cap)[0] if pos.shape[1] else []
     if len(over):
         b = int(over[0])
-        raise ValueError(f"cache_seqlens[{b}] = {pos[b, 0]} plus {pos.shape[1]} new keys exceeds the cache's "
-                         f"{cap} positions for sequence {b}")
+        raise ValueError(
+            f"cache_seqlens[{b}] = {pos[b, 0]} plus {pos.shape[1]} new keys exceeds the cache's "
+            f"{cap} positions for sequence {b}"
+        )
     bad = np.nonzero((page_ids < 0) | (page_ids >= kc_shape[0]))
     if bad[0].size:
         b, i = int(bad[0][0]), int(bad[1][0])
-        raise ValueError(f"new key {i} of sequence {b} lands on page {page_ids[b, i]}, outside the cache's "
-                         f"{kc_shape[0]} pages")
+        raise ValueError(
+            f"new key {i} of sequence {b} lands on page {page_ids[b, i]}, outside the cache's {kc_shape[0]} pages"
+        )
     return (page_ids.astype(np.int64) * rows + pos % rows).astype(np.int32)
 
 

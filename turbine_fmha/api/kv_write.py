@@ -20,19 +20,46 @@ import sys
 
 import numpy as np
 
-from ..core.arrays import (_check_tensor_devices, _DeviceCache, _dtype_name, _fp8_name, _is_device_array, _is_torch,
-                     _numpy_to_torch, _TensorInfo, _to_numpy, overlapping)
+from ..core.arrays import (
+    _check_tensor_devices,
+    _DeviceCache,
+    _dtype_name,
+    _fp8_name,
+    _is_device_array,
+    _is_torch,
+    _numpy_to_torch,
+    _TensorInfo,
+    _to_numpy,
+    overlapping,
+)
 from ..core.checks import check_int, int_array
+from ..kernels.append_kernel import AppendKernel
+from ..kernels.variants import KV_LAYOUTS as LAYOUTS
 from ..runtime.interop import run_append
 from ..runtime.invoke import host_array
 from ..runtime.session import resolve_session
-from ..kernels.variants import KV_LAYOUTS as LAYOUTS
-from ..kernels.append_kernel import AppendKernel
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", q=None, rotary_cos=None,
-                      rotary_sin=None, rotary_dim=None, rotary_interleaved=False, seqlen_k=None, seqstart=None,
-                      seqstart_q=None, has_mask=False, session=None, device=None):
+def reshape_and_cache(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    *,
+    kv_layout="NHD",
+    q=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_dim=None,
+    rotary_interleaved=False,
+    seqlen_k=None,
+    seqstart=None,
+    seqstart_q=None,
+    has_mask=False,
+    session=None,
+    device=None,
+):
     """Writes K/V rows into paged caches in place (vLLM's reshape_and_cache).
 
     Args:
@@ -70,8 +97,17 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", 
     Returns the rotated q when q is given, else None.
     """
     session = resolve_session(session, getattr(session, "device", "cpu") if device is None else device)
-    rot = dict(q=q, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_dim=rotary_dim, seqlen_k=seqlen_k,
-               seqstart=seqstart, seqstart_q=seqstart_q, rotary_interleaved=rotary_interleaved, has_mask=has_mask)
+    rot = dict(
+        q=q,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        rotary_dim=rotary_dim,
+        seqlen_k=seqlen_k,
+        seqstart=seqstart,
+        seqstart_q=seqstart_q,
+        rotary_interleaved=rotary_interleaved,
+        has_mask=has_mask,
+    )
     return _run(session, _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot))
 
 
@@ -110,8 +146,9 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
     if kv_layout not in LAYOUTS:
         raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {kv_layout!r}")
     arrays = {n: rot[n] for n in ("q", "rotary_cos", "rotary_sin", "seqlen_k", "seqstart", "seqstart_q")}
-    _check_tensor_devices(session.device, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-                          **arrays)
+    _check_tensor_devices(
+        session.device, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, **arrays
+    )
     kc, vc = cache_arg(k_cache, "k_cache", session), cache_arg(v_cache, "v_cache", session)
     num_pages, page, nhead_k, hdim, hdim_v = _cache_layout(kc, vc, kv_layout)
     name = _dtype_name(kc.dtype) or ("i8" if _fp8_name(kc.dtype) else None)
@@ -119,8 +156,9 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
         raise TypeError(f"k_cache must be float16, bfloat16, float32 or fp8, got {kc.dtype}")
     k_info, v_info = rows_info(k, "k"), rows_info(v, "v")
     if k_info.ndim not in (3, 4):
-        raise ValueError(f"k must be [tokens, nhead_k, hdim] or [batch, seqlen_new, nhead_k, hdim], "
-                         f"got shape {list(k_info.shape)}")
+        raise ValueError(
+            f"k must be [tokens, nhead_k, hdim] or [batch, seqlen_new, nhead_k, hdim], got shape {list(k_info.shape)}"
+        )
     lead = tuple(k_info.shape[:-2])
     for what, info, d in (("k", k_info, hdim), ("v", v_info, hdim_v)):
         check_rows(info, what, lead + (nhead_k, d), kc.dtype)
@@ -147,8 +185,16 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
         views = (kc.shape, vc.shape)
     mode = "none" if rotary is None else ("interleaved" if rot["rotary_interleaved"] else "half")
     kernel = AppendKernel(name, 1 if kv_layout == "HND" else nhead_k, hdim, hdim_v, page, mode)
-    return _Write(kernel, (kc, vc), views, k.reshape(tokens, nhead_k, hdim), v.reshape(tokens, nhead_k, hdim_v),
-                  None if kept.size == tokens else kept, np.stack([page_of.astype(np.int32), row], axis=1), rotary)
+    return _Write(
+        kernel,
+        (kc, vc),
+        views,
+        k.reshape(tokens, nhead_k, hdim),
+        v.reshape(tokens, nhead_k, hdim_v),
+        None if kept.size == tokens else kept,
+        np.stack([page_of.astype(np.int32), row], axis=1),
+        rotary,
+    )
 
 
 def one_head_slots(pages: np.ndarray, rows: np.ndarray, nhead_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,13 +209,15 @@ def _cache_layout(kc: _Cache, vc: _Cache, kv_layout: str) -> tuple:
     dims = "page_block_size, nhead_k" if kv_layout == "NHD" else "nhead_k, page_block_size"
     for name, c in (("k_cache", kc), ("v_cache", vc)):
         if len(c.shape) != 4:
-            raise ValueError(f"{name} must be [num_pages, {dims}, hdim] for kv_layout={kv_layout!r}, "
-                             f"got shape {list(c.shape)}")
+            raise ValueError(
+                f"{name} must be [num_pages, {dims}, hdim] for kv_layout={kv_layout!r}, got shape {list(c.shape)}"
+            )
     num_pages, a, b, hdim = kc.shape
     page, nhead_k = (a, b) if kv_layout == "NHD" else (b, a)
     if vc.shape[:3] != kc.shape[:3]:
-        raise ValueError(f"v_cache must match k_cache's first three dims {list(kc.shape[:3])}, "
-                         f"got shape {list(vc.shape)}")
+        raise ValueError(
+            f"v_cache must match k_cache's first three dims {list(kc.shape[:3])}, got shape {list(vc.shape)}"
+        )
     if vc.dtype != kc.dtype:
         raise TypeError(f"v_cache has dtype {vc.dtype} but k_cache has {kc.dtype}")
     if min(kc.shape) < 1 or vc.shape[3] < 1:
@@ -201,11 +249,15 @@ def cache_arg(x, name: str, session) -> _Cache:
     else:
         raise TypeError(f"{name} must be a numpy array, a torch tensor or an IREE DeviceArray, got {type(x).__name__}")
     if gpu:
-        raise ValueError(f"{name} is in host memory, but the session runs on {session.device!r}: pass a torch "
-                         f"tensor on {session.torch_device} or a DeviceArray of the session's device")
+        raise ValueError(
+            f"{name} is in host memory, but the session runs on {session.device!r}: pass a torch "
+            f"tensor on {session.torch_device} or a DeviceArray of the session's device"
+        )
     if not (a.flags.c_contiguous and a.flags.writeable and a.ctypes.data % 64 == 0):
-        raise ValueError(f"{name} must be writeable, C-contiguous and 64-byte aligned to be written in place "
-                         f"(turbine_fmha.cache.aligned_zeros makes such arrays; torch allocations are)")
+        raise ValueError(
+            f"{name} must be writeable, C-contiguous and 64-byte aligned to be written in place "
+            f"(turbine_fmha.cache.aligned_zeros makes such arrays; torch allocations are)"
+        )
     return _Cache(a, a.shape, a.dtype)
 
 
@@ -222,18 +274,23 @@ def check_rows(info, name: str, shape: tuple, dtype: np.dtype) -> None:
     if tuple(info.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(info.shape)}")
     if info.dtype != dtype:
-        raise TypeError(f"{name} has dtype {info.dtype} but the cache holds {dtype}: values are never converted "
-                        f"here, cast them first")
+        raise TypeError(
+            f"{name} has dtype {info.dtype} but the cache holds {dtype}: values are never converted "
+            f"here, cast them first"
+        )
 
 
 def _check_slots(flat: np.ndarray, lead: tuple, capacity: int) -> None:
     def at(i):  # a token's index in slot_mapping's shape
         return [int(j) for j in np.unravel_index(i, lead)]
+
     bad = (flat < -1) | (flat >= capacity)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"slot_mapping{at(i)} = {int(flat[i])} is neither a slot in [0, {capacity}) "
-                         f"(num_pages * page_block_size) nor -1 (skip)")
+        raise ValueError(
+            f"slot_mapping{at(i)} = {int(flat[i])} is neither a slot in [0, {capacity}) "
+            f"(num_pages * page_block_size) nor -1 (skip)"
+        )
     flat = flat.astype(np.int64)  # in range now: exact
     used = np.sort(flat[flat >= 0])
     dup = used[1:][used[1:] == used[:-1]]
@@ -255,8 +312,10 @@ def _rotary(rot: dict, name: str, lead: tuple, hdim: int, kept: np.ndarray, dtyp
     if cos is None or sin is None:
         raise ValueError(f"{'rotary_sin' if sin is None else 'rotary_cos'} is missing: the tables go together")
     if name == "i8":
-        raise ValueError("rotary_cos: the rotary embedding needs a float16/bfloat16/float32 cache "
-                         "(fp8 caches are written as their bits)")
+        raise ValueError(
+            "rotary_cos: the rotary embedding needs a float16/bfloat16/float32 cache "
+            "(fp8 caches are written as their bits)"
+        )
     for flag in ("rotary_interleaved", "has_mask"):
         if not isinstance(rot[flag], bool):
             raise TypeError(f"{flag} must be a bool, got {type(rot[flag]).__name__}")
@@ -272,8 +331,10 @@ def _rotary(rot: dict, name: str, lead: tuple, hdim: int, kept: np.ndarray, dtyp
     rows = cos.shape[0]
     for what, pos in (("k", k_pos[kept]), ("q", q_pos)):
         if pos.size and pos.max() >= rows:
-            raise ValueError(f"rotary_cos has {rows} rows (positions), but a row of {what} is at position "
-                             f"{pos.max()} (seqlen_k + its index)")
+            raise ValueError(
+                f"rotary_cos has {rows} rows (positions), but a row of {what} is at position "
+                f"{pos.max()} (seqlen_k + its index)"
+            )
     return _Rotary(*tables, k_pos.astype(np.int32), q, q_pos.astype(np.int32), q_shape)
 
 
@@ -292,9 +353,12 @@ def _tables(cos, sin, rotary_dim, hdim) -> tuple:
     if 2 * width > hdim:
         raise ValueError(f"rotary_dim = {2 * width} (the tables' width x 2) exceeds hdim = {hdim}")
     # Widening to float32 is exact; the kernel computes in float32.
-    return tuple(t.detach().float().contiguous() if _is_torch(t) and t.device.type != "cpu"
-                 else np.ascontiguousarray(_to_numpy(t, n), np.float32)
-                 for t, n in ((cos, "rotary_cos"), (sin, "rotary_sin")))
+    return tuple(
+        t.detach().float().contiguous()
+        if _is_torch(t) and t.device.type != "cpu"
+        else np.ascontiguousarray(_to_numpy(t, n), np.float32)
+        for t, n in ((cos, "rotary_cos"), (sin, "rotary_sin"))
+    )
 
 
 def _sequences(lead: tuple, seqstart, name: str) -> tuple:
@@ -309,8 +373,9 @@ def _sequences(lead: tuple, seqstart, name: str) -> tuple:
         raise ValueError(f"{name} [batch + 1] is needed with flat rows and rotary: it gives their sequences")
     st = int_array(seqstart, name, 1).astype(np.int64)
     if st.size < 1 or st[0] != 0 or (np.diff(st) < 0).any() or st[-1] != lead[0]:
-        raise ValueError(f"{name} must start at 0, be non-decreasing and end at {lead[0]} (the rows), "
-                         f"got {st.tolist()[:8]}")
+        raise ValueError(
+            f"{name} must start at 0, be non-decreasing and end at {lead[0]} (the rows), got {st.tolist()[:8]}"
+        )
     seq = np.repeat(np.arange(st.size - 1), np.diff(st))
     return seq, np.arange(lead[0]) - st[seq], st.size - 1
 
@@ -324,8 +389,9 @@ def _rotary_q(rot: dict, lead: tuple, seqlen_k: np.ndarray, hdim: int, dtype) ->
         return None, np.zeros(0, np.int64), ()
     info = rows_info(q, "q")
     if info.ndim not in (3, 4) or info.shape[-1] != hdim:
-        raise ValueError(f"q must be [batch, seqlen_q, nhead_q, {hdim}] or [total_q, nhead_q, {hdim}], "
-                         f"got shape {list(info.shape)}")
+        raise ValueError(
+            f"q must be [batch, seqlen_q, nhead_q, {hdim}] or [total_q, nhead_q, {hdim}], got shape {list(info.shape)}"
+        )
     if info.dtype != dtype:
         raise TypeError(f"q has dtype {info.dtype} but the cache holds {dtype}: values are never converted here")
     q_lead = tuple(info.shape[:-2])
@@ -343,9 +409,11 @@ def _run(session, w: _Write):
     if not w.slots.size and (r is None or r.q is None):  # nothing to write, no q to rotate
         return None
     if not w.slots.size and session.device != "cpu":
-        raise NotImplementedError("rotating q without writing any K row is not supported on GPU sessions (the "
-                                  "kernel's K bindings would be empty, which IREE's CUDA driver refuses): rotate "
-                                  "q in the call that writes its keys")
+        raise NotImplementedError(
+            "rotating q without writing any K row is not supported on GPU sessions (the "
+            "kernel's K bindings would be empty, which IREE's CUDA driver refuses): rotate "
+            "q in the call that writes its keys"
+        )
     fn = session.append_function(w.kernel)  # loaded (or compiled) before anything is written
     k = _take(w.k, w.keep, (-1, w.kernel.nhead_k, w.kernel.hdim))
     v = _take(w.v, w.keep, (-1, w.kernel.nhead_k, w.kernel.hdim_v))
@@ -356,8 +424,11 @@ def _run(session, w: _Write):
         # IREE's CUDA driver refuses empty bindings (CUDA_ERROR_INVALID_VALUE,
         # and the device fails every call after it): without q, one row of
         # zeros at position 0 stands in, and its result is dropped.
-        q, q_pos = (r.q, r.q_pos) if r.q is not None else \
-            (np.zeros((1, 1, w.kernel.hdim), w.caches[0].dtype), np.zeros(1, np.int32))
+        q, q_pos = (
+            (r.q, r.q_pos)
+            if r.q is not None
+            else (np.zeros((1, 1, w.kernel.hdim), w.caches[0].dtype), np.zeros(1, np.int32))
+        )
         extra = [np.repeat(k_pos, w.k.shape[1] // w.kernel.nhead_k), q, q_pos, r.cos, r.sin]
     res = run_append(session, fn, k, v, w.slots, *caches, *extra)
     if r is None or r.q is None:

@@ -16,8 +16,9 @@ from . import eager, flash_attn, kv_write
 def _routed(fn, route: str):
     """`fn`, or torch_ops.<route> with the same arguments by name while
     torch.compile traces: dynamo traces this wrapper, not the eager body."""
-    names = tuple(n for n, p in inspect.signature(fn).parameters.items()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    names = tuple(
+        n for n, p in inspect.signature(fn).parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

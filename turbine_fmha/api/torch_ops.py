@@ -31,11 +31,10 @@ torch._dynamo (about a second, once) and registers the ops.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import torch
-
-import inspect
 
 from ..calls.problem import layout_of_arrays
 from ..core.arrays import _torch_np_dtype
@@ -44,19 +43,32 @@ from ..runtime.session import LIVE_SESSIONS, Session
 from . import eager, flash_attn, kv_write
 from .conventions import conventions, kvcache_seqlens
 
-_TENSORS = {"paged": ("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
-            "kvcache": ("q", "k_cache", "v_cache", "seqlen_k")}
+_TENSORS = {
+    "paged": ("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
+    "kvcache": ("q", "k_cache", "v_cache", "seqlen_k"),
+}
 _OPTIONAL = {"paged": (), "kvcache": ("cache_batch_idx",)}
 _OPTIONAL_BOTH = ("seqstart_q", "kv_offset", "alibi_slopes", "bias", "sinks")
 # (name, schema type, default) of every other argument the ops pass on.
 _SCALARS = (
-    ("min_seqlen_q", "int", 0), ("scale", "float?", None), ("mask_type", "str", "none"),
-    ("window_size_left", "int", -1), ("window_size_right", "int", -1), ("sink_size", "int", 0),
-    ("logits_soft_cap", "float", 0.0), ("v_layout", "str", "row"), ("kv_layout", "str", "NHD"),
+    ("min_seqlen_q", "int", 0),
+    ("scale", "float?", None),
+    ("mask_type", "str", "none"),
+    ("window_size_left", "int", -1),
+    ("window_size_right", "int", -1),
+    ("sink_size", "int", 0),
+    ("logits_soft_cap", "float", 0.0),
+    ("v_layout", "str", "row"),
+    ("kv_layout", "str", "NHD"),
     ("q_scale", "float?", None),
-    ("k_scale", "float?", None), ("v_scale", "float?", None), ("p_scale", "float?", None),
-    ("out_scale", "float?", None), ("num_splits", "int?", None), ("kv_rows_finite", "bool?", None),
-    ("device", "str", "cpu"), ("session", "int", 0),
+    ("k_scale", "float?", None),
+    ("v_scale", "float?", None),
+    ("p_scale", "float?", None),
+    ("out_scale", "float?", None),
+    ("num_splits", "int?", None),
+    ("kv_rows_finite", "bool?", None),
+    ("device", "str", "cpu"),
+    ("session", "int", 0),
 )
 # Window sides and sink counts past every key all mean "every key" (mask.py
 # clamps them); an op's int is 64-bit, so larger ones are clamped here.
@@ -68,8 +80,9 @@ def _op_schema(required: tuple, optional: tuple, scalars: tuple, returns: str, m
     tensors), the optional ones defaulting to None, then the scalars."""
     alias = {n: f"({chr(ord('a') + i)}!)" for i, n in enumerate(mutated)}
     tensors = [f"Tensor{alias.get(n, '')} {n}" for n in required] + [f"Tensor? {n}=None" for n in optional]
-    values = [f"{t} {n}=" + ("None" if d is None else f'"{d}"' if isinstance(d, str) else repr(d))
-              for n, t, d in scalars]
+    values = [
+        f"{t} {n}=" + ("None" if d is None else f'"{d}"' if isinstance(d, str) else repr(d)) for n, t, d in scalars
+    ]
     return f"({', '.join(tensors)}, *, {', '.join(values)}) -> {returns}"
 
 
@@ -90,8 +103,13 @@ def _positional(kind: str, out_form: bool) -> tuple:
 
 def _schema(kind: str, out_form: bool) -> str:
     out = ("out",) if out_form else ()
-    return _op_schema(_TENSORS[kind] + out, _OPTIONAL[kind] + _OPTIONAL_BOTH, _SCALARS,
-                      "Tensor" if out_form else "(Tensor, Tensor)", mutated=out)
+    return _op_schema(
+        _TENSORS[kind] + out,
+        _OPTIONAL[kind] + _OPTIONAL_BOTH,
+        _SCALARS,
+        "Tensor" if out_form else "(Tensor, Tensor)",
+        mutated=out,
+    )
 
 
 def _arguments(kind: str, out_form: bool, args: tuple, kwargs: dict) -> dict:
@@ -114,8 +132,14 @@ def _fake(kind: str, out_form: bool):
     def fake(*args, **kwargs):
         kw = _arguments(kind, out_form, args, kwargs)
         q = kw["q"]
-        out_shape, lse_shape = result_shapes(q, kw["k_cache"], kw["v_cache"], v_layout=kw["v_layout"],
-                                             kv_layout=kw["kv_layout"], group=kw["seqstart_q"] is not None)
+        out_shape, lse_shape = result_shapes(
+            q,
+            kw["k_cache"],
+            kw["v_cache"],
+            v_layout=kw["v_layout"],
+            kv_layout=kw["kv_layout"],
+            group=kw["seqstart_q"] is not None,
+        )
         lse = q.new_empty(lse_shape, dtype=torch.float32)
         return lse if out_form else (q.new_empty(out_shape), lse)
 
@@ -131,8 +155,9 @@ class _Meta:
         self.shape, self.ndim, self.dtype = tuple(t.shape), t.dim(), _torch_np_dtype(t.dtype)
 
 
-def result_shapes(q, k_cache, v_cache, *, v_layout: str = "row", kv_layout: str = "NHD",
-                  group: bool = False) -> tuple[tuple, tuple]:
+def result_shapes(
+    q, k_cache, v_cache, *, v_layout: str = "row", kv_layout: str = "NHD", group: bool = False
+) -> tuple[tuple, tuple]:
     """(out shape, LSE shape) of a call: out is q's rows by hdim_v; LSE is
     [batch, nhead_q, seqlen_q], or [nhead_q, total_q] in group mode. From
     the Layout, which checks q and the caches on the way."""
@@ -172,9 +197,16 @@ def _refusing_grad(op, names: tuple):
     return kernel
 
 
-_OPS = {(kind, out_form): _define(f"fmha_fwd_{kind}" + ("_out" if out_form else ""), _schema(kind, out_form),
-                                  _impl(kind, out_form), _fake(kind, out_form), _positional(kind, out_form))
-        for kind, out_form in itertools.product(("paged", "kvcache"), (False, True))}
+_OPS = {
+    (kind, out_form): _define(
+        f"fmha_fwd_{kind}" + ("_out" if out_form else ""),
+        _schema(kind, out_form),
+        _impl(kind, out_form),
+        _fake(kind, out_form),
+        _positional(kind, out_form),
+    )
+    for kind, out_form in itertools.product(("paged", "kvcache"), (False, True))
+}
 
 
 # -- KV writes -------------------------------------------------------------
@@ -182,8 +214,12 @@ _OPS = {(kind, out_form): _define(f"fmha_fwd_{kind}" + ("_out" if out_form else 
 _WRITE_TENSORS = ("k", "v", "k_cache", "v_cache", "slot_mapping")
 _WRITE_OPTIONAL = ("q", "rotary_cos", "rotary_sin", "seqlen_k", "seqstart", "seqstart_q")
 _WRITE_SCALARS = (
-    ("kv_layout", "str", "NHD"), ("rotary_dim", "int?", None), ("rotary_interleaved", "bool", False),
-    ("has_mask", "bool", False), ("device", "str?", None), ("session", "int", 0),
+    ("kv_layout", "str", "NHD"),
+    ("rotary_dim", "int?", None),
+    ("rotary_interleaved", "bool", False),
+    ("has_mask", "bool", False),
+    ("device", "str?", None),
+    ("session", "int", 0),
 )
 
 
@@ -200,16 +236,26 @@ def _write_fake(*args, **kwargs):
     return kw["k"].new_empty(0) if kw["q"] is None else kw["q"].new_empty(kw["q"].shape)
 
 
-_WRITE_OP = _define("reshape_and_cache", _op_schema(_WRITE_TENSORS, _WRITE_OPTIONAL, _WRITE_SCALARS, "Tensor",
-                                                    mutated=("k_cache", "v_cache")),
-                     _write_impl, _write_fake, _WRITE_TENSORS + _WRITE_OPTIONAL)
+_WRITE_OP = _define(
+    "reshape_and_cache",
+    _op_schema(_WRITE_TENSORS, _WRITE_OPTIONAL, _WRITE_SCALARS, "Tensor", mutated=("k_cache", "v_cache")),
+    _write_impl,
+    _write_fake,
+    _WRITE_TENSORS + _WRITE_OPTIONAL,
+)
 
 
 def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, session=None, **kw):
     """reshape_and_cache through its op: its route while torch.compile
     traces it. Returns q rotated, or None without q."""
-    tensors = dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-                   **{n: kw.pop(n, None) for n in _WRITE_OPTIONAL})
+    tensors = dict(
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slot_mapping,
+        **{n: kw.pop(n, None) for n in _WRITE_OPTIONAL},
+    )
     _torch_tensors_only(tensors)
     rotated = _WRITE_OP(**tensors, **kw, session=session_handle(session))
     return None if tensors["q"] is None else rotated
@@ -218,12 +264,27 @@ def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, session=None
 # -- flash-attn's in-call appends ------------------------------------------
 
 _FLASH_TENSORS = ("q", "k_cache", "v_cache")
-_FLASH_OPTIONAL = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
-                   "block_table", "alibi_slopes")
+_FLASH_OPTIONAL = (
+    "k",
+    "v",
+    "rotary_cos",
+    "rotary_sin",
+    "cache_seqlens",
+    "cache_batch_idx",
+    "cache_leftpad",
+    "block_table",
+    "alibi_slopes",
+)
 _FLASH_SCALARS = (
-    ("softmax_scale", "float?", None), ("causal", "bool", False), ("window_size_left", "int", -1),
-    ("window_size_right", "int", -1), ("softcap", "float", 0.0), ("rotary_interleaved", "bool", True),
-    ("num_splits", "int", 0), ("device", "str", "cpu"), ("session", "int", 0),
+    ("softmax_scale", "float?", None),
+    ("causal", "bool", False),
+    ("window_size_left", "int", -1),
+    ("window_size_right", "int", -1),
+    ("softcap", "float", 0.0),
+    ("rotary_interleaved", "bool", True),
+    ("num_splits", "int", 0),
+    ("device", "str", "cpu"),
+    ("session", "int", 0),
 )
 
 
@@ -239,13 +300,18 @@ def _flash_fake(*args, **kwargs):
     kw = _named(_FLASH_TENSORS + _FLASH_OPTIONAL, _FLASH_SCALARS, args, kwargs)
     q = kw["q"]
     batch, rows, heads = q.shape[:3]
-    return q.new_empty((batch, rows, heads, kw["v_cache"].shape[-1])), \
-        q.new_empty((batch, heads, rows), dtype=torch.float32)
+    return q.new_empty((batch, rows, heads, kw["v_cache"].shape[-1])), q.new_empty(
+        (batch, heads, rows), dtype=torch.float32
+    )
 
 
-_FLASH_OP = _define("flash_attn_with_kvcache", _op_schema(_FLASH_TENSORS, _FLASH_OPTIONAL, _FLASH_SCALARS,
-                                                         "(Tensor, Tensor)", mutated=("k_cache", "v_cache")),
-                     _flash_impl, _flash_fake, _FLASH_TENSORS + _FLASH_OPTIONAL)
+_FLASH_OP = _define(
+    "flash_attn_with_kvcache",
+    _op_schema(_FLASH_TENSORS, _FLASH_OPTIONAL, _FLASH_SCALARS, "(Tensor, Tensor)", mutated=("k_cache", "v_cache")),
+    _flash_impl,
+    _flash_fake,
+    _FLASH_TENSORS + _FLASH_OPTIONAL,
+)
 
 
 def call_flash_attn(**given):
@@ -261,15 +327,18 @@ def call_flash_attn(**given):
         tensors["cache_seqlens"] = torch.full((kw["q"].shape[0],), tensors["cache_seqlens"], dtype=torch.int64)
     _torch_tensors_only(tensors)
     left, right = (-1, -1) if kw["window_size"] is None else kw["window_size"]
-    scalars = {n: kw[n] for n, _, _ in _FLASH_SCALARS if n not in ("window_size_left", "window_size_right",
-                                                                    "session")}
-    out, lse = _FLASH_OP(**tensors, **scalars, window_size_left=left, window_size_right=right,
-                         session=session_handle(kw["session"]))
+    scalars = {n: kw[n] for n, _, _ in _FLASH_SCALARS if n not in ("window_size_left", "window_size_right", "session")}
+    out, lse = _FLASH_OP(
+        **tensors, **scalars, window_size_left=left, window_size_right=right, session=session_handle(kw["session"])
+    )
     return (out, lse) if kw["return_softmax_lse"] else out
 
 
-_FLASH_DEFAULTS = {n: p.default for n, p in inspect.signature(flash_attn.flash_attn_with_kvcache).parameters.items()
-                   if p.default is not p.empty}
+_FLASH_DEFAULTS = {
+    n: p.default
+    for n, p in inspect.signature(flash_attn.flash_attn_with_kvcache).parameters.items()
+    if p.default is not p.empty
+}
 _ATTENTION_CALL_ARGS = tuple(inspect.signature(flash_attn.attention_call).parameters)
 # The positional arguments of the attention calls attention_call maps to.
 _POSITIONAL = {"paged": _TENSORS["paged"], "kvcache": _TENSORS["kvcache"]}
@@ -295,9 +364,11 @@ def _session(handle: int) -> Session | None:
         return None
     session = LIVE_SESSIONS.get(handle)
     if session is None:
-        raise RuntimeError(f"session handle {handle} names no live turbine_fmha.Session (it was garbage-collected, "
-                           "or the int is no session_handle): keep the Session alive as long as the compiled "
-                           "code that uses it")
+        raise RuntimeError(
+            f"session handle {handle} names no live turbine_fmha.Session (it was garbage-collected, "
+            "or the int is no session_handle): keep the Session alive as long as the compiled "
+            "code that uses it"
+        )
     return session
 
 
@@ -313,19 +384,54 @@ def call_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, **kw
     return call_op("kvcache", q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k, **kw)
 
 
-def call_op(kind: str, *, q, k_cache, v_cache, seqlen_k, block_table=None, cache_batch_idx=None, out=None,
-            return_lse=False, session=None, device="cpu", scale=None, softmax_scale=None, causal=False,
-            window_size=None, mask_type="none", window_size_left=-1, window_size_right=-1, **rest):
+def call_op(
+    kind: str,
+    *,
+    q,
+    k_cache,
+    v_cache,
+    seqlen_k,
+    block_table=None,
+    cache_batch_idx=None,
+    out=None,
+    return_lse=False,
+    session=None,
+    device="cpu",
+    scale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=None,
+    mask_type="none",
+    window_size_left=-1,
+    window_size_right=-1,
+    **rest,
+):
     """fmha_fwd_paged (kind "paged") or fmha_fwd_kvcache ("kvcache")
     through the op: the public functions' route while torch.compile traces
     them, with their arguments."""
-    kw = dict(rest, **conventions(scale=scale, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  mask_type=mask_type, window_size_left=window_size_left,
-                                  window_size_right=window_size_right))
+    kw = dict(
+        rest,
+        **conventions(
+            scale=scale,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            mask_type=mask_type,
+            window_size_left=window_size_left,
+            window_size_right=window_size_right,
+        ),
+    )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k, block_table=block_table,
-                 cache_batch_idx=cache_batch_idx, **{n: kw.pop(n, None) for n in _OPTIONAL_BOTH})
+    given = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        seqlen_k=seqlen_k,
+        block_table=block_table,
+        cache_batch_idx=cache_batch_idx,
+        **{n: kw.pop(n, None) for n in _OPTIONAL_BOTH},
+    )
     tensors = {n: given[n] for n in _positional(kind, False)}
     _torch_tensors_only(dict(tensors, out=out))
     check_no_grad(dict(tensors, out=out))
@@ -343,5 +449,7 @@ def call_op(kind: str, *, q, k_cache, v_cache, seqlen_k, block_table=None, cache
 def _torch_tensors_only(arrays: dict) -> None:
     for name, t in arrays.items():
         if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch tensor in a torch.compile'd call (numpy arrays and IREE "
-                            f"DeviceArrays are for eager calls), got {type(t).__name__}")
+            raise TypeError(
+                f"{name} must be a torch tensor in a torch.compile'd call (numpy arrays and IREE "
+                f"DeviceArrays are for eager calls), got {type(t).__name__}"
+            )

@@ -31,7 +31,7 @@ class MaskSpec:
     sink: int = 0
 
     @classmethod
-    def from_args(cls, mask_type="none", window_size_left=-1, window_size_right=-1, sink_size=0) -> "MaskSpec":
+    def from_args(cls, mask_type="none", window_size_left=-1, window_size_right=-1, sink_size=0) -> MaskSpec:
         """Validated, with errors naming the argument. Window sides and sink
         counts past every key (2^31 and more included) become UNBOUNDED - 1:
         still a bounded window (ALiBi's causal form is keyed on an unbounded

@@ -82,15 +82,23 @@ def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session):
     sk = int_array(seqlen_k, "seqlen_k", 1)
     rows_idx = _cache_rows(sk, cache_batch_idx, batch_cache, max_sk)
     fits = [p for p in VIEW_PAGES if max_sk % p == 0] if max_sk else [1]
-    served = set() if getattr(session, "compile_missing", True) else {
-        v.page_block_size for v in session.available_variants()
-        if v.hdim_q == k_src.shape[3] and v.nhead_k == k_src.shape[2]}
+    served = (
+        set()
+        if getattr(session, "compile_missing", True)
+        else {
+            v.page_block_size
+            for v in session.available_variants()
+            if v.hdim_q == k_src.shape[3] and v.nhead_k == k_src.shape[2]
+        }
+    )
     page = next((p for p in fits if p in served), fits[0])
     per_row = max(1, max_sk // page)
 
     def pages_of(a):
         a = a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
-        return a.reshape(batch_cache * per_row, page, *a.shape[2:]) if max_sk else a.reshape(batch_cache, 1, *a.shape[2:])
+        return (
+            a.reshape(batch_cache * per_row, page, *a.shape[2:]) if max_sk else a.reshape(batch_cache, 1, *a.shape[2:])
+        )
 
     block_table = (rows_idx[:, None] * per_row + np.arange(per_row)[None, :]).astype(np.int32)
     return pages_of(k_src), pages_of(v_src), block_table, sk

@@ -13,9 +13,9 @@ import math
 import numpy as np
 
 from ..core.arrays import ops_for
-from .mask import MaskSpec
 from ..kernels.signature import KERNEL_ARGS, call_args
 from ..kernels.variants import Variant
+from .mask import MaskSpec
 
 # The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
 # plus probabilities; query rows are chunked to keep that under this size.
@@ -152,8 +152,11 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
     if variant.merge_splits and c.batch % variant.merge_splits:  # pragma: no cover - split_kv's entries
         raise ValueError(f"{variant.name} merges {variant.merge_splits} entries per sequence; got {c.batch}")
-    return [step(b0, min(c.batch, b0 + bt_t), s, min(c.rows, s + mq), (bt_t, mq))
-            for b0 in range(0, c.batch, bt_t) for s in range(0, c.rows, mq)]
+    return [
+        step(b0, min(c.batch, b0 + bt_t), s, min(c.rows, s + mq), (bt_t, mq))
+        for b0 in range(0, c.batch, bt_t)
+        for s in range(0, c.rows, mq)
+    ]
 
 
 def _bias_rows(bias, b0, b1, s, e, nk, tile, pad):
@@ -299,8 +302,13 @@ def split_kv(c: KernelCall, page: int, n: int, merged: bool = False) -> KernelCa
         return None if a is None else np.repeat(a, n, axis=0)
 
     return dataclasses.replace(
-        c, block_table=bt, seqlen_q=rep(c.seqlen_q), seqlen_k=rep(c.seqlen_k),
-        kv_shift=shift.astype(np.int32), alibi_slopes=rep(c.alibi_slopes), bias=bias,
+        c,
+        block_table=bt,
+        seqlen_q=rep(c.seqlen_q),
+        seqlen_k=rep(c.seqlen_k),
+        kv_shift=shift.astype(np.int32),
+        alibi_slopes=rep(c.alibi_slopes),
+        bias=bias,
         sinks=c.sinks if merged else None,
     )
 
@@ -311,10 +319,10 @@ def repeat_rows(q, n: int):
     return np.repeat(q, n, axis=0) if isinstance(q, np.ndarray) else q.repeat_interleave(n, dim=0)
 
 
-def combine_splits(o, lse, m, l, n: int, sinks: np.ndarray | None):
+def combine_splits(o, lse, m, row_sum, n: int, sinks: np.ndarray | None):
     """Merges the partial results of split_kv (o [batch * n, rows, hq, dv];
-    lse, row max m and row sum l [batch * n, hq, rows]) in f32, adding the
-    sinks once. Split j weighs l_j * exp(m_j - M), M the largest max: the
+    lse, row max m and row sum row_sum [batch * n, hq, rows]) in f32, adding the
+    sinks once. Split j weighs row_sum_j * exp(m_j - M), M the largest max: the
     sums and maxes stay exact where an f32 LSE would not (|m| ~ 1e6 leaves
     it no room for log(sum)). A NaN partial makes the row NaN. numpy arrays
     or torch tensors (merged on their device). Returns (out f32 [batch,
@@ -322,12 +330,12 @@ def combine_splits(o, lse, m, l, n: int, sinks: np.ndarray | None):
     xp = ops_for(o)
     bn, rows, hq, dv = o.shape
     o = xp.f32(o.reshape(bn // n, n, rows, hq, dv))
-    lse, m, l = (x.reshape(bn // n, n, hq, rows) for x in (lse, m, l))
+    lse, m, row_sum = (x.reshape(bn // n, n, hq, rows) for x in (lse, m, row_sum))
     with xp.quiet():
-        some = l > 0  # splits that saw a key
+        some = row_sum > 0  # splits that saw a key
         top = xp.amax(xp.where(some, m, -math.inf), 1)
         top = xp.where(xp.isfinite(top), top, 0.0)
-        w = xp.where(some, l * xp.exp(xp.where(some, m, 0.0) - top[:, None]), 0.0)
+        w = xp.where(some, row_sum * xp.exp(xp.where(some, m, 0.0) - top[:, None]), 0.0)
         tot = xp.sum(w, 1)
         s = None if sinks is None else xp.f32(xp.like(sinks, tot))[None, :, None]
         den = tot if s is None else tot + xp.exp(s - top)
@@ -372,14 +380,14 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
     last_col = (ks + sk - 1) // page
     tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
     head = rows < ks[b][:, None]  # rows before the first key (first page)
-    pages = [np.broadcast_to(block_table[b, col][:, None], tail.shape)[sel]
-             for col, sel in ((last_col[b], tail), (0, head))]
+    pages = [
+        np.broadcast_to(block_table[b, col][:, None], tail.shape)[sel] for col, sel in ((last_col[b], tail), (0, head))
+    ]
     picked = [np.broadcast_to(rows, tail.shape)[sel] for sel in (tail, head)]
     return np.concatenate(pages).astype(np.int64), np.concatenate(picked).astype(np.int64)
 
 
-def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray,
-                      kv_shift: np.ndarray, page: int) -> bool:
+def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int) -> bool:
     """Whether the stale_rows of a row-major NHD cache [pages, page, heads,
     dim] (numpy or torch) are finite."""
     index = stale_rows(block_table, seqlen_k, kv_shift, page)

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..core.arrays import _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype, np_dtype
 from ..core.checks import F32_MAX, check_float, check_int, float_array, int_array
-from .mask import MaskSpec
 from ..kernels.variants import FP8_DTYPES, KV_LAYOUTS, V_LAYOUTS
+from .mask import MaskSpec
 
 LOG2E = math.log2(math.e)
 
@@ -89,16 +89,33 @@ def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool, kv_layout:
     if kv_layout == "HND":
         page, nhead_k = nhead_k, page
     if hdim_k != hdim_q:
-        raise ValueError(f"k_cache head dim {hdim_k} differs from q head dim {hdim_q} (k_cache is "
-                         f"{_PAGE_DIMS[kv_layout].format('hdim')} for kv_layout={kv_layout!r})")
+        raise ValueError(
+            f"k_cache head dim {hdim_k} differs from q head dim {hdim_q} (k_cache is "
+            f"{_PAGE_DIMS[kv_layout].format('hdim')} for kv_layout={kv_layout!r})"
+        )
     hdim_v = v_cache.shape[3] if v_layout == "row" else v_cache.shape[2]
     # Sizes as given, not int(): torch.compile's fake tensors have symbolic
     # sizes, and int() would pin the compiled graph to these values.
-    layout = Layout(dt, np.dtype(q.dtype), kv_fp8 or "", np.dtype(k_cache.dtype), nhead_q, nhead_k, hdim_q,
-                    hdim_v, page, num_pages, v_layout, kv_layout)
+    layout = Layout(
+        dt,
+        np.dtype(q.dtype),
+        kv_fp8 or "",
+        np.dtype(k_cache.dtype),
+        nhead_q,
+        nhead_k,
+        hdim_q,
+        hdim_v,
+        page,
+        num_pages,
+        v_layout,
+        kv_layout,
+    )
     if tuple(v_cache.shape) != layout.v_shape:
-        want = (_PAGE_DIMS[kv_layout].format("hdim_v") + f" (kv_layout={kv_layout!r})" if v_layout == "row"
-                else "[num_pages, nhead_k, hdim_v, page_block_size] (v_layout='col')")
+        want = (
+            _PAGE_DIMS[kv_layout].format("hdim_v") + f" (kv_layout={kv_layout!r})"
+            if v_layout == "row"
+            else "[num_pages, nhead_k, hdim_v, page_block_size] (v_layout='col')"
+        )
         raise ValueError(f"v_cache shape {v_cache.shape} must be {want} matching k_cache {k_cache.shape}")
     _check_heads(layout, f"q must have at least one head, got nhead_q = {nhead_q} (shape {q.shape})")
     if num_pages < 1 or page < 1 or hdim_q < 1 or hdim_v < 1:
@@ -106,18 +123,49 @@ def layout_of_arrays(q, k_cache, v_cache, v_layout: str, group: bool, kv_layout:
     return layout
 
 
-def layout_of_params(*, num_pages, page_block_size, nhead_q, nhead_k, hdim, hdim_v=None, dtype="f16",
-                     kv_dtype=None, v_layout="row", kv_layout="NHD") -> Layout:
+def layout_of_params(
+    *,
+    num_pages,
+    page_block_size,
+    nhead_q,
+    nhead_k,
+    hdim,
+    hdim_v=None,
+    dtype="f16",
+    kv_dtype=None,
+    v_layout="row",
+    kv_layout="NHD",
+) -> Layout:
     """A layout given by its numbers (PagedAttention.plan)."""
-    sizes = {n: check_int(v, n, minimum=1) for n, v in (
-        ("num_pages", num_pages), ("page_block_size", page_block_size), ("nhead_q", nhead_q),
-        ("nhead_k", nhead_k), ("hdim", hdim), ("hdim_v", hdim if hdim_v is None else hdim_v))}
+    sizes = {
+        n: check_int(v, n, minimum=1)
+        for n, v in (
+            ("num_pages", num_pages),
+            ("page_block_size", page_block_size),
+            ("nhead_q", nhead_q),
+            ("nhead_k", nhead_k),
+            ("hdim", hdim),
+            ("hdim_v", hdim if hdim_v is None else hdim_v),
+        )
+    }
     q_dt = _np_dtype(dtype, "dtype")
     kv_dt = q_dt if kv_dtype is None else _np_dtype(kv_dtype, "kv_dtype")
     dt, kv_fp8 = _check_dtypes(q_dt, kv_dt, kv_dt)
     _check_layouts(kv_layout, v_layout)
-    layout = Layout(dt, q_dt, kv_fp8 or "", kv_dt, sizes["nhead_q"], sizes["nhead_k"], sizes["hdim"],
-                    sizes["hdim_v"], sizes["page_block_size"], sizes["num_pages"], v_layout, kv_layout)
+    layout = Layout(
+        dt,
+        q_dt,
+        kv_fp8 or "",
+        kv_dt,
+        sizes["nhead_q"],
+        sizes["nhead_k"],
+        sizes["hdim"],
+        sizes["hdim_v"],
+        sizes["page_block_size"],
+        sizes["num_pages"],
+        v_layout,
+        kv_layout,
+    )
     _check_heads(layout, "nhead_q must be >= 1")
     return layout
 
@@ -230,7 +278,8 @@ def _pages_used(block_table, seqlen_k, offsets, layout: Layout, gappy: bool):
     if end.size and end.max() > capacity:
         b = int(np.argmax(end))
         raise ValueError(
-            f"seqlen_k[{b}] = {seqlen_k[b]}" + (f" + kv_offset[{b}] = {offsets[b]}" if gappy else "")
+            f"seqlen_k[{b}] = {seqlen_k[b]}"
+            + (f" + kv_offset[{b}] = {offsets[b]}" if gappy else "")
             + f" exceeds the block table capacity ({block_table.shape[1]} pages x {page} = {capacity})"
         )
     first_page = offsets // page
@@ -265,9 +314,21 @@ class Scores:
     out_scale: float = 1.0
 
 
-def scores(layout: Layout, t: Tables, *, scale=None, mask_type="none", window_size_left=-1,
-           window_size_right=-1, sink_size=0, alibi_slopes=None, bias=None, logits_soft_cap=0.0, sinks=None,
-           **quant) -> Scores:
+def scores(
+    layout: Layout,
+    t: Tables,
+    *,
+    scale=None,
+    mask_type="none",
+    window_size_left=-1,
+    window_size_right=-1,
+    sink_size=0,
+    alibi_slopes=None,
+    bias=None,
+    logits_soft_cap=0.0,
+    sinks=None,
+    **quant,
+) -> Scores:
     quant = _quant_scales(layout, quant)
     scale = 1.0 / math.sqrt(layout.hdim_q) if scale is None else check_float(scale, "scale")
     mask = MaskSpec.from_args(mask_type, window_size_left, window_size_right, sink_size)
@@ -287,8 +348,7 @@ def scores(layout: Layout, t: Tables, *, scale=None, mask_type="none", window_si
         raise ValueError("alibi_slopes and bias cannot be combined (ck_tile has one bias slot)")
     if cap > 0 and (alibi_slopes is not None or bias is not None):
         raise ValueError(
-            "logits_soft_cap cannot be combined with bias or alibi_slopes "
-            "(ck_tile forbids soft-cap with any bias)"
+            "logits_soft_cap cannot be combined with bias or alibi_slopes (ck_tile forbids soft-cap with any bias)"
         )
     slopes = None if alibi_slopes is None else _slopes(alibi_slopes, layout, t)
     bias_a = None if bias is None else _bias(bias, layout, t)
@@ -356,7 +416,9 @@ def _bias(bias, layout: Layout, t: Tables) -> np.ndarray:
     else:
         rows = t.seqlen_q
         ok = b.ndim == 4 and b.shape[0] in (1, batch) and b.shape[1] in (1, hq) and b.shape[2] == rows
-        want = f"[batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)] = [{batch} or 1, {hq} or 1, {rows}, >= {max_sk}]"
+        want = (
+            f"[batch or 1, nhead_q or 1, seqlen_q, >= max(seqlen_k)] = [{batch} or 1, {hq} or 1, {rows}, >= {max_sk}]"
+        )
     if not ok or b.shape[-1] < max_sk:
         raise ValueError(f"bias must have shape {want}, got {list(b.shape)}")
     return b
@@ -377,11 +439,21 @@ class Problem:
         that of the bias the kernel call passes, known once it is laid out."""
         lay, s = self.layout, self.scores
         return dict(
-            dtype=lay.dtype, hdim_q=lay.hdim_q, hdim_v=lay.hdim_v, nhead_q=lay.nhead_q, nhead_k=lay.nhead_k,
-            group=0, page_block_size=lay.page_block_size, mask=s.mask.type,
+            dtype=lay.dtype,
+            hdim_q=lay.hdim_q,
+            hdim_v=lay.hdim_v,
+            nhead_q=lay.nhead_q,
+            nhead_k=lay.nhead_k,
+            group=0,
+            page_block_size=lay.page_block_size,
+            mask=s.mask.type,
             bias="alibi" if s.alibi_slopes is not None else ("elementwise" if s.bias is not None else "none"),
-            bias_shape="", softcap=s.softcap > 0, sinks=s.sinks is not None, kv_layout=lay.kv_layout,
-            v_layout=lay.v_layout, kv_dtype=lay.kv_dtype,
+            bias_shape="",
+            softcap=s.softcap > 0,
+            sinks=s.sinks is not None,
+            kv_layout=lay.kv_layout,
+            v_layout=lay.v_layout,
+            kv_dtype=lay.kv_dtype,
         )
 
 
@@ -398,8 +470,22 @@ def problem(layout: Layout, t: Tables, s: Scores, *, min_seqlen_q=0, num_splits=
     return Problem(layout, t, s, min_seqlen_q, num_splits, kv_rows_finite)
 
 
-def from_arrays(q, k_cache, v_cache, block_table, seqlen_k, *, seqstart_q=None, kv_offset=None, v_layout="row",
-                kv_layout="NHD", min_seqlen_q=0, num_splits=None, kv_rows_finite=None, **score_terms) -> Problem:
+def from_arrays(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seqlen_k,
+    *,
+    seqstart_q=None,
+    kv_offset=None,
+    v_layout="row",
+    kv_layout="NHD",
+    min_seqlen_q=0,
+    num_splits=None,
+    kv_rows_finite=None,
+    **score_terms,
+) -> Problem:
     """The Problem of fmha_fwd_paged's arguments. Only shapes and dtypes of
     q and the caches are looked at (a torch GPU q stays on its device)."""
     from ..core.arrays import _cache_array, _DeviceCache, _is_torch, _TensorInfo, _to_numpy
@@ -409,7 +495,6 @@ def from_arrays(q, k_cache, v_cache, block_table, seqlen_k, *, seqstart_q=None, 
     if isinstance(kc, _DeviceCache) != isinstance(vc, _DeviceCache):
         raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
     layout = layout_of_arrays(qi, kc, vc, v_layout, seqstart_q is not None, kv_layout)
-    t = tables(block_table, seqlen_k, layout, q_shape=tuple(qi.shape[:-2]), seqstart_q=seqstart_q,
-               kv_offset=kv_offset)
+    t = tables(block_table, seqlen_k, layout, q_shape=tuple(qi.shape[:-2]), seqstart_q=seqstart_q, kv_offset=kv_offset)
     s = scores(layout, t, **score_terms)
     return problem(layout, t, s, min_seqlen_q=min_seqlen_q, num_splits=num_splits, kv_rows_finite=kv_rows_finite)

@@ -70,5 +70,3 @@ def artifact_dir(args, may_be_missing: bool = False) -> Path:
 
 def emit_json(value) -> None:
     print(json.dumps(value, indent=1))
-
-

@@ -10,7 +10,6 @@ with --json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from ..core.version import VERSION
 from ..runtime.paths import default_artifact_dir
 from .common import _PLAIN_ERRORS, CliError, _Parser, artifact_dir, emit_json, int_list, positive_int
 from .problem import add_problem_commands
+
 
 def _manifest(args) -> dict:
     from ..build.artifacts import read_manifest
@@ -54,10 +54,13 @@ def _cmd_list(args) -> int:
 
 def _cmd_inspect(args) -> int:
     m = _manifest(args)
-    hits = [a for a in m["artifacts"] if a["variant"] == args.variant and (not args.target or a["target"] == args.target)]
+    hits = [
+        a for a in m["artifacts"] if a["variant"] == args.variant and (not args.target or a["target"] == args.target)
+    ]
     if not hits:
-        raise CliError(f"no artifact {args.variant}{' for ' + args.target if args.target else ''} "
-                       f"in {artifact_dir(args)}")
+        raise CliError(
+            f"no artifact {args.variant}{' for ' + args.target if args.target else ''} in {artifact_dir(args)}"
+        )
     if args.json:
         # One object for one match; several (one per target) as a list.
         emit_json(hits[0] if len(hits) == 1 else hits)
@@ -80,8 +83,9 @@ def _cmd_build(args) -> int:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
-        raise CliError(f"--targets: unknown target {', '.join(map(repr, unknown)) or '(none given)'}; "
-                       f"known: {', '.join(TARGETS)}")
+        raise CliError(
+            f"--targets: unknown target {', '.join(map(repr, unknown)) or '(none given)'}; known: {', '.join(TARGETS)}"
+        )
     variants = _model_set(args, targets) if _model_given(args) else _named_variants(args)
     out = Path(args.artifacts) if args.artifacts else default_artifact_dir()
     t0 = time.perf_counter()
@@ -98,8 +102,11 @@ def _cmd_build(args) -> int:
         print(details, file=sys.stderr)
         raise CliError(head.rstrip(":")) from None
     rebuilt = sum(r.rebuilt for r in results)
-    print(f"{len(results)} artifacts in {out} ({rebuilt} compiled, {len(results) - rebuilt} unchanged) "
-          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    print(
+        f"{len(results)} artifacts in {out} ({rebuilt} compiled, {len(results) - rebuilt} unchanged) "
+        f"in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
     # What a service pins (Session(manifest_sha256=...)) to load exactly
     # these artifacts; stdout, so that scripts can capture it.
     print(f"manifest sha256 {manifest_digest(out)}")
@@ -130,8 +137,15 @@ def _model_set(args, targets) -> dict:
 
     if args.variants:
         raise CliError("--variants cannot be combined with --model-config or the model's shape flags")
-    shape = dict(nhead_q=args.nhead_q, nhead_k=args.nhead_k, hdim_q=args.hdim, hdim_v=args.hdim_v,
-                 dtype=args.dtype, pages=args.page, kv_layout=args.kv_layout)
+    shape = dict(
+        nhead_q=args.nhead_q,
+        nhead_k=args.nhead_k,
+        hdim_q=args.hdim,
+        hdim_v=args.hdim_v,
+        dtype=args.dtype,
+        pages=args.page,
+        kv_layout=args.kv_layout,
+    )
     if args.model_config:
         model = shape_from_config(read_config(args.model_config), source=args.model_config, **shape)
     else:
@@ -141,15 +155,24 @@ def _model_set(args, targets) -> dict:
         # The flags as a config of their own: the same defaults (MHA, hdim_v = hdim, page 16).
         model = shape_from_config({}, source="flags", **dict(shape, dtype=args.dtype or "f16"))
     sets = {t: model_variants(model, t) for t in targets}
-    print(f"model set: {model.nhead_q}/{model.nhead_k} heads, head dims {model.hdim_q}/{model.hdim_v}, "
-          f"{model.dtype}, {model.kv_layout} pages {','.join(map(str, model.pages))}: "
-          + ", ".join(f"{len(v)} kernels for {t}" for t, v in sets.items()), file=sys.stderr)
+    print(
+        f"model set: {model.nhead_q}/{model.nhead_k} heads, head dims {model.hdim_q}/{model.hdim_v}, "
+        f"{model.dtype}, {model.kv_layout} pages {','.join(map(str, model.pages))}: "
+        + ", ".join(f"{len(v)} kernels for {t}" for t, v in sets.items()),
+        file=sys.stderr,
+    )
     return sets
 
 
 def _artifacts_option(sp, note: str = "") -> None:
-    sp.add_argument("--artifacts", "--out", dest="artifacts", default=None, metavar="DIR",
-                    help=f"artifact directory (default: ${ENV_ARTIFACTS}, else {default_artifact_dir()}){note}")
+    sp.add_argument(
+        "--artifacts",
+        "--out",
+        dest="artifacts",
+        default=None,
+        metavar="DIR",
+        help=f"artifact directory (default: ${ENV_ARTIFACTS}, else {default_artifact_dir()}){note}",
+    )
 
 
 def _build_parser(sub) -> None:
@@ -161,20 +184,29 @@ def _build_parser(sub) -> None:
     b.add_argument("--variants", default="", help="comma list of variant names (default: each target's default set)")
     b.add_argument("--jobs", type=positive_int, default=None)
     b.add_argument("--force", action="store_true", help="rebuild even when unchanged")
-    m = b.add_argument_group("a model's variant set", "every variant a model's calls select (decode and prefill "
-                             "tiles, masks, split-KV) and its cache's append kernels; flags win over the config")
-    m.add_argument("--model-config", default=None, metavar="JSON",
-                   help="HF-style config.json: num_attention_heads, num_key_value_heads, head_dim or "
-                        "hidden_size, torch_dtype")
+    m = b.add_argument_group(
+        "a model's variant set",
+        "every variant a model's calls select (decode and prefill "
+        "tiles, masks, split-KV) and its cache's append kernels; flags win over the config",
+    )
+    m.add_argument(
+        "--model-config",
+        default=None,
+        metavar="JSON",
+        help="HF-style config.json: num_attention_heads, num_key_value_heads, head_dim or hidden_size, torch_dtype",
+    )
     m.add_argument("--nhead-q", type=positive_int, default=None)
     m.add_argument("--nhead-k", type=positive_int, default=None, help="default: --nhead-q (MHA)")
     m.add_argument("--hdim", type=positive_int, default=None)
     m.add_argument("--hdim-v", type=positive_int, default=None, help="default: --hdim")
     m.add_argument("--dtype", default=None, choices=["f16", "bf16", "f32"], help="default: the config's, else f16")
     m.add_argument("--page", type=int_list(1), default=None, help="comma list of page sizes (default 16)")
-    m.add_argument("--kv-layout", default=None, choices=KV_LAYOUTS,
-                   help="the caches' pages: NHD [pages, page, nhead_k, hdim] (default) or HND [pages, nhead_k, "
-                        "page, hdim]")
+    m.add_argument(
+        "--kv-layout",
+        default=None,
+        choices=KV_LAYOUTS,
+        help="the caches' pages: NHD [pages, page, nhead_k, hdim] (default) or HND [pages, nhead_k, page, hdim]",
+    )
     b.set_defaults(fn=_cmd_build)
 
 
@@ -214,7 +246,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - every error is one line, never a traceback
+    except Exception as e:
         kind = "" if isinstance(e, (CliError, *_PLAIN_ERRORS)) else f"{type(e).__name__}: "
         print(f"{p.prog} {args.cmd}: error: {kind}{' '.join(str(e).split())}", file=sys.stderr)
         return 2
@@ -225,4 +257,3 @@ def _detach_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # not a real file (captured in tests)
         pass
-

@@ -21,8 +21,9 @@ def add_problem_commands(sub, artifacts_option) -> None:
     _problem_args(r, artifacts_option)
     r.add_argument("--json", action="store_true", help="the result as a JSON object")
     r.set_defaults(fn=_cmd_run)
-    be = sub.add_parser("bench", help="median time of the public API on one random problem, and of "
-                        f"{BASELINE} on the same data")
+    be = sub.add_parser(
+        "bench", help=f"median time of the public API on one random problem, and of {BASELINE} on the same data"
+    )
     _problem_args(be, artifacts_option)
     be.add_argument("--repeat", type=positive_int, default=10)
     be.add_argument("--no-baseline", action="store_true", help=f"skip the {BASELINE} baseline")
@@ -33,8 +34,11 @@ def add_problem_commands(sub, artifacts_option) -> None:
 def _problem_args(sp, artifacts_option) -> None:
     sp.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hip"])
     artifacts_option(sp, "; must exist unless --compile-missing is given without it")
-    sp.add_argument("--compile-missing", action="store_true",
-                    help="compile variants that have no artifact into the user cache (needs the build extra)")
+    sp.add_argument(
+        "--compile-missing",
+        action="store_true",
+        help="compile variants that have no artifact into the user cache (needs the build extra)",
+    )
     sp.add_argument("--dtype", default="f16", choices=["f16", "bf16", "f32"])
     sp.add_argument("--batch", type=positive_int, default=4)
     sp.add_argument("--seqlen-q", type=positive_int, default=1)
@@ -43,8 +47,12 @@ def _problem_args(sp, artifacts_option) -> None:
     sp.add_argument("--nhead-k", type=positive_int, default=8)
     sp.add_argument("--hdim", type=positive_int, default=128)
     sp.add_argument("--page", type=positive_int, default=16)
-    sp.add_argument("--mask", default="none", choices=["none", "top_left", "bottom_right"],
-                    help="a masked call is causal (window (-1, 0))")
+    sp.add_argument(
+        "--mask",
+        default="none",
+        choices=["none", "top_left", "bottom_right"],
+        help="a masked call is causal (window (-1, 0))",
+    )
     sp.add_argument("--num-splits", type=positive_int, default=None)
     sp.add_argument("--seed", type=non_negative_int, default=None)
 
@@ -71,8 +79,12 @@ def _random_problem(args, rng):
         bt[b, :n] = perm[i : i + n]
         i += n
     q = rng.standard_normal((args.batch, args.seqlen_q, args.nhead_q, args.hdim), dtype=np.float32).astype(dt)
-    kw = dict(mask_type=args.mask, window_size_right=0 if args.mask != "none" else -1,
-              num_splits=args.num_splits, device=args.device)
+    kw = dict(
+        mask_type=args.mask,
+        window_size_right=0 if args.mask != "none" else -1,
+        num_splits=args.num_splits,
+        device=args.device,
+    )
     return (q, k, v, bt, np.array(lens, np.int32)), kw
 
 
@@ -100,12 +112,23 @@ def _cmd_run(args) -> int:
     tol = OUT_TOL[args.dtype]
     ok = bool(err <= tol and lerr <= LSE_TOL and np.array_equal(np.isneginf(lse), ~fin))
     if args.json:
-        emit_json(dict(variant=session.last_variant.name, ms=ms, output_rel_err=err, output_bound=tol,
-                       lse_abs_err=lerr, lse_bound=LSE_TOL, passed=ok))
+        emit_json(
+            dict(
+                variant=session.last_variant.name,
+                ms=ms,
+                output_rel_err=err,
+                output_bound=tol,
+                lse_abs_err=lerr,
+                lse_bound=LSE_TOL,
+                passed=ok,
+            )
+        )
     else:
         print(f"variant {session.last_variant.name}")
-        print(f"{ms:.2f} ms (first call: includes loading), output rel err {err:.2e} (bound {tol:g}), "
-              f"LSE abs err {lerr:.2e} -> {'PASS' if ok else 'FAIL'}")
+        print(
+            f"{ms:.2f} ms (first call: includes loading), output rel err {err:.2e} (bound {tol:g}), "
+            f"LSE abs err {lerr:.2e} -> {'PASS' if ok else 'FAIL'}"
+        )
     return 0 if ok else 1
 
 
@@ -129,8 +152,16 @@ def _cmd_bench(args) -> int:
     prob, kw = _random_problem(args, np.random.default_rng(args.seed))
     med, low = _median_ms(lambda: fmha_fwd_paged(*prob, session=session, **kw), args.repeat)
     rate, unit = _throughput(args, prob)
-    result = dict(variant=session.last_variant.name, kind="decode" if args.seqlen_q == 1 else "prefill",
-                  repeat=args.repeat, median_ms=med, min_ms=low, unit=unit, rate=rate / med, baseline=None)
+    result = dict(
+        variant=session.last_variant.name,
+        kind="decode" if args.seqlen_q == 1 else "prefill",
+        repeat=args.repeat,
+        median_ms=med,
+        min_ms=low,
+        unit=unit,
+        rate=rate / med,
+        baseline=None,
+    )
     skipped = "--no-baseline" if args.no_baseline else None
     if not skipped:
         base, skipped = _torch_baseline(args, prob, args.repeat)
@@ -140,12 +171,16 @@ def _cmd_bench(args) -> int:
         emit_json(dict(result, baseline_skipped=skipped))
         return 0
     print(f"variant {result['variant']}")
-    print(f"turbine-fmha: median {med:.2f} ms, min {low:.2f} ms over {args.repeat} calls, {rate / med:.3g} {unit} "
-          f"(public API on host arrays: validation and copies included)")
+    print(
+        f"turbine-fmha: median {med:.2f} ms, min {low:.2f} ms over {args.repeat} calls, {rate / med:.3g} {unit} "
+        f"(public API on host arrays: validation and copies included)"
+    )
     b = result["baseline"]
     if b:
-        print(f"{BASELINE}: median {b['median_ms']:.2f} ms, {b['rate']:.3g} {unit} (same arrays and mask); "
-              f"speedup of turbine-fmha over it {b['speedup']:.2f}x")
+        print(
+            f"{BASELINE}: median {b['median_ms']:.2f} ms, {b['rate']:.3g} {unit} (same arrays and mask); "
+            f"speedup of turbine-fmha over it {b['speedup']:.2f}x"
+        )
     else:
         print(f"{BASELINE}: skipped ({skipped})")
     return 0

@@ -14,7 +14,6 @@ import sys
 import numpy as np
 
 
-
 def _bf16():
     import ml_dtypes
 
@@ -225,14 +224,23 @@ class _Results:
             # DLPack: q as padded on the device, the small host arrays after one
             # copy each. IREE's own per-call uploads allocated device memory
             # for each, which cost more than the kernel (benchmarks/api_profile.py).
-            import torch
 
-            arg_lists = [[a if _is_device_array(a) else self.session.import_torch(
-                a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True))
-                for a in args] for args in arg_lists]
+            arg_lists = [
+                [
+                    a
+                    if _is_device_array(a)
+                    else self.session.import_torch(
+                        a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True)
+                    )
+                    for a in args
+                ]
+                for args in arg_lists
+            ]
             torch_writes_done(self.torch_device)
-        return [self.session.to_torch(*r)
-                for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs)]
+        return [
+            self.session.to_torch(*r)
+            for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs)
+        ]
 
     def upload(self, arrays: list) -> list:
         """Small host arrays as kernel arguments on the session's device: IREE
@@ -249,10 +257,12 @@ class _Results:
         offsets = np.cumsum([0] + [-(-a.nbytes // align) * align for a in arrays])
         packed = np.zeros(int(offsets[-1]), np.uint8)
         for a, o in zip(arrays, offsets):
-            packed[o:o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            packed[o : o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         dev = torch.from_numpy(packed).to(self.torch_device)
-        return [self.session.import_torch(dev[o:o + a.nbytes].view(_np_torch_dtype(a.dtype))
-                                          .view(a.shape)) for a, o in zip(arrays, offsets)]
+        return [
+            self.session.import_torch(dev[o : o + a.nbytes].view(_np_torch_dtype(a.dtype)).view(a.shape))
+            for a, o in zip(arrays, offsets)
+        ]
 
     def index(self, a: np.ndarray):
         """An integer index array where this call's arrays live."""
@@ -323,7 +333,7 @@ def _byte_range(a) -> tuple[int, int]:
 
 # numpy 2 moved these; numpy 1.24 (the oldest this package takes) has them at the top.
 _byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
-_TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError")
+_TooHardError = getattr(np, "exceptions", np).TooHardError
 
 
 def _device_of(a) -> str:
@@ -372,7 +382,12 @@ class _TorchOps:
 
         self.t = torch
         self.where, self.exp, self.log, self.isfinite, self.isnan = (
-            torch.where, torch.exp, torch.log, torch.isfinite, torch.isnan)
+            torch.where,
+            torch.exp,
+            torch.log,
+            torch.isfinite,
+            torch.isnan,
+        )
         self.einsum, self.logaddexp = torch.einsum, torch.logaddexp
 
     def f32(self, a):

@@ -70,8 +70,10 @@ def check_out(out, q, torch_results, out_shape, dtype, inputs, session):
         if not _is_torch(q) or out.device != q.device:
             raise TypeError("a torch out needs q to be a torch tensor on the same device")
         if tuple(out.shape) != tuple(out_shape) or _torch_np_dtype(out.dtype) != dtype:
-            raise ValueError(f"out must have shape {list(out_shape)} and dtype {dtype}, "
-                             f"got {list(out.shape)} {_torch_np_dtype(out.dtype)}")
+            raise ValueError(
+                f"out must have shape {list(out_shape)} and dtype {dtype}, "
+                f"got {list(out.shape)} {_torch_np_dtype(out.dtype)}"
+            )
         if not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")
         if not torch_results:

@@ -56,7 +56,7 @@ def positive_int(name: str) -> int | None:
 
 
 def switch(name: str) -> bool:
-    """"1" on, "0" (or unset) off."""
+    """ "1" on, "0" (or unset) off."""
     value = text(name)
     if value not in (None, "0", "1"):
         raise ValueError(f"${name} must be 0 or 1, got {os.environ[name]!r}")

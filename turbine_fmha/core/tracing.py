@@ -55,5 +55,7 @@ def check_no_grad(arrays: dict, *, grad_mode: bool | None = None) -> None:
         return
     for name, a in arrays.items():
         if isinstance(a, torch.Tensor) and a.requires_grad:
-            raise ValueError(f"{name} requires grad, but turbine_fmha's attention is forward-only (no backward): "
-                             f"call it under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+            raise ValueError(
+                f"{name} requires grad, but turbine_fmha's attention is forward-only (no backward): "
+                f"call it under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
+            )

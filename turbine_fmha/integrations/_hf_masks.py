@@ -19,8 +19,16 @@ from transformers.masking_utils import causal_mask_function, flash_attention_mas
 NAME = "turbine_fmha"
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function=causal_mask_function, attention_mask=None, **kwargs):
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask=None,
+    **kwargs,
+):
     """The mask function registered for "turbine_fmha" (transformers'
     `AttentionMaskInterface`): flash attention's (None for a batch without
     padding, else the 2D bool mask), checked here. The model builds its
@@ -29,13 +37,16 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     if mask_function is not causal_mask_function:
         # flash_attention_mask drops the mask function: an overlay (image
         # tokens, blocks, bidirectional attention) would silently be lost.
-        raise NotImplementedError(f"{NAME} attention takes plain causal masks only: the model builds its mask "
-                                  f"with another mask function ({getattr(mask_function, '__name__', '?')}: a "
-                                  "sliding window, chunks, bidirectional attention or an overlay)")
+        raise NotImplementedError(
+            f"{NAME} attention takes plain causal masks only: the model builds its mask "
+            f"with another mask function ({getattr(mask_function, '__name__', '?')}: a "
+            "sliding window, chunks, bidirectional attention or an overlay)"
+        )
     if attention_mask is not None:
         left_padding(attention_mask, batch_size, kv_length)
-    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                                attention_mask, **kwargs)
+    return flash_attention_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
+    )
 
 
 def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
@@ -46,15 +57,20 @@ def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
     if len(shape) != 2:
         raise NotImplementedError(
             f"{NAME} attention supports left padding only (a 2D [batch, kv_length] padding mask): got an "
-            f"attention_mask of shape {list(shape)} (a custom mask)")
+            f"attention_mask of shape {list(shape)} (a custom mask)"
+        )
     if str(getattr(attention_mask, "dtype", "")) != "torch.bool":
-        raise NotImplementedError(f"{NAME} attention takes the 2D padding mask as a torch.bool tensor, got an "
-                                  f"attention_mask of dtype {getattr(attention_mask, 'dtype', None)}")
+        raise NotImplementedError(
+            f"{NAME} attention takes the 2D padding mask as a torch.bool tensor, got an "
+            f"attention_mask of dtype {getattr(attention_mask, 'dtype', None)}"
+        )
     if shape[0] != batch:
         raise ValueError(f"attention_mask has {shape[0]} rows, the batch has {batch}")
     if shape[1] != rows:
-        raise ValueError(f"attention_mask covers {shape[1]} positions, but the cache holds {rows} after this "
-                         "step: pass the mask of every cached position and the new ones")
+        raise ValueError(
+            f"attention_mask covers {shape[1]} positions, but the cache holds {rows} after this "
+            "step: pass the mask of every cached position and the new ones"
+        )
     m = attention_mask.detach().cpu().numpy()
     # [False] * p + [True] * rest is exactly a row that never falls from
     # True back to False.
@@ -63,7 +79,8 @@ def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
         b = int(np.argmax(bad))
         raise NotImplementedError(
             f"{NAME} attention supports left padding only: attention_mask row {b} is not [False] * p + "
-            "[True] * rest (right padding or a hole); pad on the left (tokenizer padding_side='left')")
+            "[True] * rest (right padding or a hole); pad on the left (tokenizer padding_side='left')"
+        )
     offsets = (~m).sum(axis=1).astype(np.int32)
     return offsets if offsets.any() else None
 

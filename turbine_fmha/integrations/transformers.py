@@ -46,9 +46,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
 from ..api.attention import PagedAttention
 from ..api.cache import CacheFullError, PagedKVCache
+from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
 from ..runtime.session import Session
 from ._hf_masks import NAME, left_padding, padding_mask, refuse_unsupported
 
@@ -77,13 +77,20 @@ def enable(model):
     return model
 
 
-def generate(model, input_ids, *, session: Session | None = None, page_block_size: int = 16,
-             num_pages: int | None = None, device_pool: bool | None = None, **generate_kwargs):
+def generate(
+    model,
+    input_ids,
+    *,
+    session: Session | None = None,
+    page_block_size: int = 16,
+    num_pages: int | None = None,
+    device_pool: bool | None = None,
+    **generate_kwargs,
+):
     """`model.generate(input_ids, **generate_kwargs)` on these kernels with
     a fresh `PagedCache` (see there for the arguments)."""
     enable(model)
-    cache = PagedCache(session=session, page_block_size=page_block_size, num_pages=num_pages,
-                       device_pool=device_pool)
+    cache = PagedCache(session=session, page_block_size=page_block_size, num_pages=num_pages, device_pool=device_pool)
     return model.generate(input_ids, past_key_values=cache, **generate_kwargs)
 
 
@@ -100,8 +107,14 @@ class PagedCache(Cache):
     in host memory for CPU ones.
     """
 
-    def __init__(self, *, session: Session | None = None, page_block_size: int = 16, num_pages: int | None = None,
-                 device_pool: bool | None = None):
+    def __init__(
+        self,
+        *,
+        session: Session | None = None,
+        page_block_size: int = 16,
+        num_pages: int | None = None,
+        device_pool: bool | None = None,
+    ):
         if session is not None and not isinstance(session, Session):
             raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
         if device_pool is not None and not isinstance(device_pool, bool):
@@ -109,16 +122,19 @@ class PagedCache(Cache):
         if device_pool is False and session is not None and session.device != "cpu":
             # Every layer's whole host pool would be copied to the device
             # on every call.
-            raise NotImplementedError(f"device_pool=False keeps the pools in host memory, which a "
-                                      f"{session.device!r} session cannot read in place: leave device_pool None")
+            raise NotImplementedError(
+                f"device_pool=False keeps the pools in host memory, which a "
+                f"{session.device!r} session cannot read in place: leave device_pool None"
+            )
         for name, val in (("page_block_size", page_block_size), ("num_pages", num_pages)):
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if device_pool is None:
             device_pool = session is not None and session.device != "cpu"
         self.planner = _Planner(session, device_pool)
-        super().__init__(layer_class_to_replicate=functools.partial(
-            PagedLayer, self.planner, page_block_size, num_pages))
+        super().__init__(
+            layer_class_to_replicate=functools.partial(PagedLayer, self.planner, page_block_size, num_pages)
+        )
 
 
 class _Planner:
@@ -146,22 +162,45 @@ class _Planner:
             self._mask, self._dims = mask, (batch, rows)
         return self._offsets
 
-    def planned(self, q, layer: "PagedLayer", scale, offsets) -> PagedAttention:
+    def planned(self, q, layer: PagedLayer, scale, offsets) -> PagedAttention:
         attn = self.attention()
         pool, (kc, vc) = layer.pool, layer.caches
         bt, sk = pool.batch(layer.seqs)
         finite = pool.values_finite
-        key = (bt.shape, bt.tobytes(), sk.tobytes(), None if offsets is None else offsets.tobytes(),
-               tuple(q.shape), q.dtype, kc.shape, vc.shape, scale, finite)
+        key = (
+            bt.shape,
+            bt.tobytes(),
+            sk.tobytes(),
+            None if offsets is None else offsets.tobytes(),
+            tuple(q.shape),
+            q.dtype,
+            kc.shape,
+            vc.shape,
+            scale,
+            finite,
+        )
         if key != self.key:
             self.key = None  # a plan that raised must not be reused
             # Left padding: row b's keys are its stored rows after the
             # first offsets[b] (_hf_masks).
-            attn.plan(bt, sk if offsets is None else sk - offsets, kv_offset=offsets, num_pages=kc.shape[0],
-                      page_block_size=pool.page_block_size, nhead_q=q.shape[2], nhead_k=kc.shape[2],
-                      hdim=kc.shape[3], hdim_v=vc.shape[3], dtype=q.dtype, seqlen_q=q.shape[1],
-                      mask_type="bottom_right", window_size_left=-1, window_size_right=0,
-                      scale=scale, kv_rows_finite=finite)
+            attn.plan(
+                bt,
+                sk if offsets is None else sk - offsets,
+                kv_offset=offsets,
+                num_pages=kc.shape[0],
+                page_block_size=pool.page_block_size,
+                nhead_q=q.shape[2],
+                nhead_k=kc.shape[2],
+                hdim=kc.shape[3],
+                hdim_v=vc.shape[3],
+                dtype=q.dtype,
+                seqlen_q=q.shape[1],
+                mask_type="bottom_right",
+                window_size_left=-1,
+                window_size_right=0,
+                scale=scale,
+                kv_rows_finite=finite,
+            )
             self.key = key
         return attn
 
@@ -185,14 +224,18 @@ class PagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:
         dtype = _torch_np_dtype(key_states.dtype)
         if dtype not in _DTYPES or value_states.dtype != key_states.dtype:
-            raise TypeError(f"PagedCache keeps float32, float16 or bfloat16 keys and values, got "
-                            f"{key_states.dtype} and {value_states.dtype}")
+            raise TypeError(
+                f"PagedCache keeps float32, float16 or bfloat16 keys and values, got "
+                f"{key_states.dtype} and {value_states.dtype}"
+            )
         on_device = self.planner.device_pool
         want = self.planner.attention().session.torch_device if on_device else "cpu"
         if str(key_states.device) != want or value_states.device != key_states.device:
             hint = "" if on_device else ": pass session=turbine_fmha.Session('cuda', ...) for a model on the GPU"
-            raise NotImplementedError(f"PagedCache keeps {'device' if on_device else 'host'} pools of torch "
-                                      f"tensors on {want}, got tensors on {key_states.device}{hint}")
+            raise NotImplementedError(
+                f"PagedCache keeps {'device' if on_device else 'host'} pools of torch "
+                f"tensors on {want}, got tensors on {key_states.device}{hint}"
+            )
         self.on_device, self.dtype, self.device = on_device, key_states.dtype, key_states.device
         batch, nhead_k, n, hdim = key_states.shape
         pages = self.num_pages or batch * -(-2 * max(n, 1) // self.page_block_size)
@@ -206,8 +249,10 @@ class PagedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != len(self.seqs) or value_states.shape[0] != len(self.seqs):
-            raise ValueError(f"PagedCache holds {len(self.seqs)} sequences, the model passed "
-                             f"{key_states.shape[0]} rows of keys and {value_states.shape[0]} of values")
+            raise ValueError(
+                f"PagedCache holds {len(self.seqs)} sequences, the model passed "
+                f"{key_states.shape[0]} rows of keys and {value_states.shape[0]} of values"
+            )
         for b in range(len(self.seqs)):
             # [nhead_k, n, hdim] -> [n, nhead_k, hdim]: a view. A device
             # pool takes the torch tensor as it is; for a host pool only
@@ -236,8 +281,16 @@ class PagedLayer(CacheLayerMixin):
     def _new_pool(self, pages: int, nhead_k: int, hdim: int, hdim_v: int, dtype) -> PagedKVCache:
         if not self.on_device:
             return PagedKVCache(pages, self.page_block_size, nhead_k, hdim, dtype, hdim_v=hdim_v)
-        return PagedKVCache(pages, self.page_block_size, nhead_k, hdim, dtype, hdim_v=hdim_v,
-                            session=self.planner.attention().session, host_mirror=self._mirror)
+        return PagedKVCache(
+            pages,
+            self.page_block_size,
+            nhead_k,
+            hdim,
+            dtype,
+            hdim_v=hdim_v,
+            session=self.planner.attention().session,
+            host_mirror=self._mirror,
+        )
 
     def _rebuild(self, *, pages: int = 0, keep: int | None = None) -> None:
         """Copies the sequences (their first `keep` rows) in order into a
@@ -248,14 +301,16 @@ class PagedLayer(CacheLayerMixin):
         # The copies share no pages, where forks did: each needs its own.
         own = sum(-(-n // self.page_block_size) for n in rows)
         if self.num_pages is not None and own > self.num_pages:
-            raise CacheFullError(f"the {len(rows)} sequences need {own} pages once copied, the pool has "
-                                 f"{self.num_pages}")
+            raise CacheFullError(
+                f"the {len(rows)} sequences need {own} pages once copied, the pool has {self.num_pages}"
+            )
         pool = self._new_pool(max(pages, own, kc.shape[0]), kc.shape[2], kc.shape[3], vc.shape[3], old.dtype)
         # A device pool without a mirror is read back to the host once (not
         # once per sequence, as gather would). Growth doubles the pool and
         # crop is rare, so these copies are amortized over many steps.
-        k_all, v_all = (old.k, old.v) if old.k is not None else \
-            (a.to_host().view(old.dtype) for a in (old.k_dev, old.v_dev))
+        k_all, v_all = (
+            (old.k, old.v) if old.k is not None else (a.to_host().view(old.dtype) for a in (old.k_dev, old.v_dev))
+        )
         new = []
         for s, n in zip(self.seqs, rows):
             pos = np.arange(n)
@@ -272,8 +327,9 @@ class PagedLayer(CacheLayerMixin):
             # passes the tagged tensors on, so they need no memory: one
             # element expanded to the pool's shape, never a copy of it.
             self.caches = tuple(_DeviceCache(a, pool.dtype) for a in (pool.k_dev, pool.v_dev))
-            self.keys, self.values = (torch.empty((), dtype=self.dtype, device=self.device).expand(c.shape)
-                                      for c in self.caches)
+            self.keys, self.values = (
+                torch.empty((), dtype=self.dtype, device=self.device).expand(c.shape) for c in self.caches
+            )
         else:
             self.caches = (pool.k, pool.v)
             self.keys, self.values = (_numpy_to_torch(a) for a in self.caches)
@@ -374,7 +430,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError(
             f'attn_implementation="{NAME}" runs on a turbine_fmha PagedCache: pass '
             "past_key_values=PagedCache(...) with use_cache=True (or call "
-            "turbine_fmha.integrations.transformers.generate)")
+            "turbine_fmha.integrations.transformers.generate)"
+        )
     try:
         refuse_unsupported(module, dropout, kwargs)
         offsets = layer.planner.offsets(attention_mask, len(layer.seqs), layer.get_seq_length())

@@ -30,8 +30,9 @@ class AppendKernel(Named):
     hdim: int = dataclasses.field(metadata=number(2, "_d"))
     hdim_v: int = dataclasses.field(metadata=number(3, "x"))
     page_block_size: int = dataclasses.field(metadata=number(4, "_pg"))
-    rotary: str = dataclasses.field(default="none", metadata=enum(5, {"none": "", "interleaved": "_ropei",
-                                                                       "half": "_ropeh"}))
+    rotary: str = dataclasses.field(
+        default="none", metadata=enum(5, {"none": "", "interleaved": "_ropei", "half": "_ropeh"})
+    )
 
     def __post_init__(self):
         if self.dtype not in APPEND_DTYPES:
@@ -44,7 +45,6 @@ class AppendKernel(Named):
         if self.rotary != "none" and self.dtype == "i8":
             # fp8 rows are copied as bits: rotating them would need the fp8 codec.
             raise ValueError("rotary embedding needs an f16/bf16/f32 cache, got dtype='i8' (fp8 bytes)")
-
 
 
 AppendKernel.names = NameCodec(AppendKernel, "pagedkv_append")

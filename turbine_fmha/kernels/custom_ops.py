@@ -30,11 +30,16 @@ from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_functio
 
 from ..core import env
 from . import signature as sig
-from .variants import FP8_DTYPES, UNBOUNDED, Variant
 from .append_kernel import AppendKernel
+from .variants import FP8_DTYPES, UNBOUNDED, Variant
 
-_TORCH_DTYPE = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "i8": torch.int8,
-                "i32": torch.int32}
+_TORCH_DTYPE = {
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "i8": torch.int8,
+    "i32": torch.int32,
+}
 _DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
 
 
@@ -54,8 +59,9 @@ def mlir_dir() -> Path:
     for d in (package / "mlir", package.parent / "mlir"):
         if (d / _SKELETON).is_file():
             return d
-    raise FileNotFoundError(f"no kernel templates next to {package} (mlir/ or ../mlir/); "
-                            f"${env.MLIR_DIR} names a directory of them")
+    raise FileNotFoundError(
+        f"no kernel templates next to {package} (mlir/ or ../mlir/); ${env.MLIR_DIR} names a directory of them"
+    )
 
 
 class PackageJinjaLoader(TemplateLoader):
@@ -66,8 +72,9 @@ class PackageJinjaLoader(TemplateLoader):
         from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
         self.directory = directory or mlir_dir()
-        self.env = Environment(loader=FileSystemLoader(str(self.directory)), undefined=StrictUndefined,
-                               keep_trailing_newline=True)
+        self.env = Environment(
+            loader=FileSystemLoader(str(self.directory)), undefined=StrictUndefined, keep_trailing_newline=True
+        )
 
     def render(self, name: str, **kwargs) -> str:
         return self.env.get_template(f"{name}.mlir.jinja").render(**kwargs)
@@ -110,23 +117,36 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
     online = kernel_formulation == "online"
     v = Variant(
         dtype=attrs["kv_dtype"] if q.dtype == torch.int8 else _DTYPE_NAME[q.dtype],
-        hdim_q=sym["D"], hdim_v=sym["DV"], page_block_size=sym["PG"],
-        nhead_q=0 if attrs["runtime_heads"] else sym["HQ"], nhead_k=0 if attrs["runtime_heads"] else sym["HK"],
+        hdim_q=sym["D"],
+        hdim_v=sym["DV"],
+        page_block_size=sym["PG"],
+        nhead_q=0 if attrs["runtime_heads"] else sym["HQ"],
+        nhead_k=0 if attrs["runtime_heads"] else sym["HK"],
         group=attrs["group"],
         mask=attrs["mask"],
-        bias="alibi" if tensors[names.index("alibi_slopes")] is not None else (
-            "elementwise" if tensors[names.index("bias")] is not None else "none"),
+        bias="alibi"
+        if tensors[names.index("alibi_slopes")] is not None
+        else ("elementwise" if tensors[names.index("bias")] is not None else "none"),
         bias_shape="".join((c if sym[s] != "1" else "1") for s, c in (("B|1", "b"), ("HQ|1", "h")) if s in sym),
-        softcap=bool(attrs["softcap"]), sinks=tensors[names.index("sinks")] is not None,
-        kv_layout=attrs["kv_layout"], v_layout=attrs["v_layout"],
+        softcap=bool(attrs["softcap"]),
+        sinks=tensors[names.index("sinks")] is not None,
+        kv_layout=attrs["kv_layout"],
+        v_layout=attrs["v_layout"],
         kv_dtype="" if q.dtype == torch.int8 else attrs["kv_dtype"],
-        formulation=kernel_formulation, v_guard=bool(attrs["v_guard"]),
-        batch_tile=sym["B"] if online else 0, seqlen_q_tile=sym["S"] if online else 0,
-        group_rows=attrs["group_rows"], merge_splits=attrs["merge_splits"],
+        formulation=kernel_formulation,
+        v_guard=bool(attrs["v_guard"]),
+        batch_tile=sym["B"] if online else 0,
+        seqlen_q_tile=sym["S"] if online else 0,
+        group_rows=attrs["group_rows"],
+        merge_splits=attrs["merge_splits"],
     )
-    torch._check(sym["B"] == sym["BO"] * max(1, v.merge_splits),
-                 lambda: f"q has {sym['BO']} sequences; the block table must have {max(1, v.merge_splits)} "
-                         f"entries per sequence, got {sym['B']}")
+    torch._check(
+        sym["B"] == sym["BO"] * max(1, v.merge_splits),
+        lambda: (
+            f"q has {sym['BO']} sequences; the block table must have {max(1, v.merge_splits)} "
+            f"entries per sequence, got {sym['B']}"
+        ),
+    )
     for arg, t in zip(sig.FWD.args, tensors):
         want = _TORCH_DTYPE[sig.fwd_types(v).dtypes[arg.dtype]]
         torch._check(t is None or t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
@@ -184,8 +204,13 @@ class _PagedKVFwd(CustomOp):
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         tensors, attrs = _ksel_values(sig.FWD, ksel)
         v = variant_of(self.formulation, tensors, attrs)
-        _generate(kb, f"pagedkv_fwd_{v.formulation}", f"{v.name}_impl", sum(t is not None for t in tensors),
-                  **template_params(v))
+        _generate(
+            kb,
+            f"pagedkv_fwd_{v.formulation}",
+            f"{v.name}_impl",
+            sum(t is not None for t in tensors),
+            **template_params(v),
+        )
 
 
 def template_params(v: Variant) -> dict:
@@ -202,24 +227,41 @@ def template_params(v: Variant) -> dict:
     # The terms' tensors read per score: the online kernels' mask carries
     # them (an additive f32 mask, else the i1 visibility), and one with a
     # query-head axis makes them loop over query heads (one mask per head).
-    terms_read = [o for o in sig.operands(types, args, "scores", B="b", HQ="h", S="m", N="n")
-                  if o.name in sig.OPTIONAL_ARGS]
+    terms_read = [
+        o for o in sig.operands(types, args, "scores", B="b", HQ="h", S="m", N="n") if o.name in sig.OPTIONAL_ARGS
+    ]
     bt, mq, gp = v.batch_tile, v.seqlen_q_tile, v.padded_group
     return dict(
-        sig=sig.mlir_header(sig.FWD, args, types), **heads,
-        dt=types.dtypes["Q"], KDT=types.dtypes["KV"], D=v.hdim_q, DV=v.hdim_v, PAGE=v.page_block_size,
-        HND=v.kv_layout == "HND", VCOL=v.v_layout == "col", KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""),
-        V_GUARD=v.v_guard, mask=v.mask, UNBOUNDED=UNBOUNDED,
-        TERMS=sig.score_terms(v), operands=functools.partial(sig.operands, types, args), operand=sig.Operand,
+        sig=sig.mlir_header(sig.FWD, args, types),
+        **heads,
+        dt=types.dtypes["Q"],
+        KDT=types.dtypes["KV"],
+        D=v.hdim_q,
+        DV=v.hdim_v,
+        PAGE=v.page_block_size,
+        HND=v.kv_layout == "HND",
+        VCOL=v.v_layout == "col",
+        KV_DT=FP8_DTYPES.get(sig.fwd_attrs(v)["kv_dtype"], ""),
+        V_GUARD=v.v_guard,
+        mask=v.mask,
+        UNBOUNDED=UNBOUNDED,
+        TERMS=sig.score_terms(v),
+        operands=functools.partial(sig.operands, types, args),
+        operand=sig.Operand,
         # The probabilities' type at the PV product (explicit): f16 under
         # static quantization, whose fp8 values it holds exactly.
         PDT="f16" if v.static_quant else types.dtypes["Q"],
         # Online: batch tile, query rows, the split-KV merge (BO query
         # sequences of MERGE splits each), the group padded to GP query
         # heads per KV head (PAD; dynamic for any group) and the per-head loop.
-        BT=bt, MQ=mq, GP=gp, MERGE=v.merge_splits, BO=bt // v.merge_splits if v.merge_splits else bt,
+        BT=bt,
+        MQ=mq,
+        GP=gp,
+        MERGE=v.merge_splits,
+        BO=bt // v.merge_splits if v.merge_splits else bt,
         PAD=heads["G"] == "?" or gp > heads["G"],
-        PER_HEAD=any(o.heads for o in terms_read), MASK_ET="f32" if terms_read else "i1",
+        PER_HEAD=any(o.heads for o in terms_read),
+        MASK_ET="f32" if terms_read else "i1",
     )
 
 
@@ -273,9 +315,15 @@ class _PagedKVAppendOp(CustomOp):
     def generate(self, ksel: KernelSelection, kb: KernelBuilder):
         a = _append_of(self.kernel, *_ksel_values(self.kernel, ksel))
         types = sig.append_types(a)
-        _generate(kb, "pagedkv_append", f"{a.name}_impl", len(self.kernel.args),
-                  sig=sig.mlir_header(self.kernel, list(self.kernel.args), types), dt=a.dtype,
-                  ROTARY="" if a.rotary == "none" else a.rotary)
+        _generate(
+            kb,
+            "pagedkv_append",
+            f"{a.name}_impl",
+            len(self.kernel.args),
+            sig=sig.mlir_header(self.kernel, list(self.kernel.args), types),
+            dt=a.dtype,
+            ROTARY="" if a.rotary == "none" else a.rotary,
+        )
 
 
 class PagedKVAppend(_PagedKVAppendOp):

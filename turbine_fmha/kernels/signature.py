@@ -65,9 +65,16 @@ def _cache(name: str, dim: str) -> Tensor:
     """A cache argument: pages [NP, PG, HK, dim] (NHD) or [NP, HK, PG, dim]
     (HND); V column-major [NP, HK, DV, PG] under either."""
     pages = {"NHD": ("NP", "PG", "HK", dim), "HND": ("NP", "HK", "PG", dim)}
-    return Tensor(name, (), "KV", layouts=tuple(
-        (layout_key(kv, v), ("NP", "HK", dim, "PG") if v == "col" and dim == "DV" else dims)
-        for kv, dims in pages.items() for v in ("row", "col")))
+    return Tensor(
+        name,
+        (),
+        "KV",
+        layouts=tuple(
+            (layout_key(kv, v), ("NP", "HK", dim, "PG") if v == "col" and dim == "DV" else dims)
+            for kv, dims in pages.items()
+            for v in ("row", "col")
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +118,18 @@ FWD = Kernel(
         Tensor("bias", ("B|1", "HQ|1", "S", "N"), "f32", when="elementwise"),
         Tensor("sinks", ("HQ",), "f32", when="sinks"),
     ),
-    attrs=(Attr("mask", "str"), Attr("softcap", "int"), Attr("kv_layout", "str"), Attr("v_layout", "str"),
-           Attr("kv_dtype", "str"),
-           Attr("v_guard", "int"), Attr("group_rows", "int"), Attr("merge_splits", "int"),
-           Attr("runtime_heads", "int"), Attr("group", "int")),
+    attrs=(
+        Attr("mask", "str"),
+        Attr("softcap", "int"),
+        Attr("kv_layout", "str"),
+        Attr("v_layout", "str"),
+        Attr("kv_dtype", "str"),
+        Attr("v_guard", "int"),
+        Attr("group_rows", "int"),
+        Attr("merge_splits", "int"),
+        Attr("runtime_heads", "int"),
+        Attr("group", "int"),
+    ),
     results=(
         Tensor("out", ("BO", "S", "HQ", "DV"), "Q"),
         Tensor("lse", _STATS, "f32"),
@@ -145,7 +160,8 @@ APPEND = Kernel(
 # rotation is computed in f32 and rounded to the cache type once).
 APPEND_ROTARY = Kernel(
     "pagedkv_append_rotary",
-    args=APPEND.args + (
+    args=APPEND.args
+    + (
         Tensor("k_pos", ("T",), "i32"),
         Tensor("q", ("TQ", "HQ", "D"), "KV"),
         Tensor("q_pos", ("TQ",), "i32"),
@@ -174,9 +190,17 @@ def score_terms(v) -> list[str]:
     score-side features, each a file mlir/terms/<term>.mlir.jinja whose
     hooks the skeletons call (mlir/hooks.mlir.jinja). A term's tensors are
     the arguments declared `when` it (FWD)."""
-    return [term for term, on in (("softcap", v.softcap), ("alibi", v.bias == "alibi"),
-                                  ("elementwise", v.bias == "elementwise"), ("sinks", v.sinks),
-                                  ("static_quant", v.static_quant)) if on]
+    return [
+        term
+        for term, on in (
+            ("softcap", v.softcap),
+            ("alibi", v.bias == "alibi"),
+            ("elementwise", v.bias == "elementwise"),
+            ("sinks", v.sinks),
+            ("static_quant", v.static_quant),
+        )
+        if on
+    ]
 
 
 def present(v, arg: Tensor) -> bool:
@@ -194,10 +218,18 @@ def fwd_attrs(v) -> dict:
     """The attribute values of Variant `v`, in FWD.attrs order. kv_dtype
     names the fp8 format of K/V, and of Q and the output too under static
     quantization (q is then i8)."""
-    return dict(mask=v.mask, softcap=int(v.softcap), kv_layout=v.kv_layout, v_layout=v.v_layout,
-                kv_dtype=v.dtype if v.static_quant else v.kv_dtype, v_guard=int(v.v_guard),
-                group_rows=v.group_rows, merge_splits=v.merge_splits, runtime_heads=int(v.runtime_heads),
-                group=v.group)
+    return dict(
+        mask=v.mask,
+        softcap=int(v.softcap),
+        kv_layout=v.kv_layout,
+        v_layout=v.v_layout,
+        kv_dtype=v.dtype if v.static_quant else v.kv_dtype,
+        v_guard=int(v.v_guard),
+        group_rows=v.group_rows,
+        merge_splits=v.merge_splits,
+        runtime_heads=int(v.runtime_heads),
+        group=v.group,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,9 +253,22 @@ def fwd_types(v) -> Types:
     """The attention declaration bound for Variant `v` (head counts dynamic
     where the variant reads them at run time)."""
     hq, hk = ("?", "?") if v.runtime_heads else (v.nhead_q, v.nhead_k)
-    sym = _bound({"B": v.batch_tile, "BO": v.batch_tile // max(1, v.merge_splits), "S": v.seqlen_q_tile,
-                  "HQ": hq, "HK": hk, "D": v.hdim_q, "DV": v.hdim_v, "PG": v.page_block_size,
-                  "NP": 0, "W": 0, "N": 0}, STATIC[v.formulation])
+    sym = _bound(
+        {
+            "B": v.batch_tile,
+            "BO": v.batch_tile // max(1, v.merge_splits),
+            "S": v.seqlen_q_tile,
+            "HQ": hq,
+            "HK": hk,
+            "D": v.hdim_q,
+            "DV": v.hdim_v,
+            "PG": v.page_block_size,
+            "NP": 0,
+            "W": 0,
+            "N": 0,
+        },
+        STATIC[v.formulation],
+    )
     # G: query heads per KV head (HQ = HK x G), of the views that split HQ.
     sym["G"] = (v.group or "?") if v.runtime_heads else v.nhead_q // v.nhead_k
     full = frozenset()
@@ -232,8 +277,12 @@ def fwd_types(v) -> Types:
         sym["HQ|1"] = sym["HQ"] if v.bias_shape[1] == "h" else 1
         full = frozenset(s for s, c in zip(("B|1", "HQ|1"), v.bias_shape) if c != "1")
     q = "i8" if v.static_quant else v.dtype
-    return Types(sym, {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"},
-                 layout_key(v.kv_layout, v.v_layout), full)
+    return Types(
+        sym,
+        {"Q": q, "KV": "i8" if v.kv_dtype else q, "f32": "f32", "i32": "i32"},
+        layout_key(v.kv_layout, v.v_layout),
+        full,
+    )
 
 
 def append_kernel(a) -> Kernel:
@@ -248,8 +297,18 @@ def append_attrs(a) -> dict:
 
 def append_types(a) -> Types:
     """The append declarations bound for AppendKernel `a`."""
-    sizes = {"T": 0, "NP": 0, "HK": a.nhead_k, "D": a.hdim, "DV": a.hdim_v, "PG": a.page_block_size,
-             "TQ": 0, "HQ": 0, "R": 0, "RH": 0}
+    sizes = {
+        "T": 0,
+        "NP": 0,
+        "HK": a.nhead_k,
+        "D": a.hdim,
+        "DV": a.hdim_v,
+        "PG": a.page_block_size,
+        "TQ": 0,
+        "HQ": 0,
+        "R": 0,
+        "RH": 0,
+    }
     return Types(_bound(sizes, STATIC["append"]), {"KV": a.dtype, "i32": "i32", "f32": "f32"})
 
 
@@ -331,17 +390,17 @@ def operands(types: Types, args: list, reads: str, view: str = "whole", **dims) 
         axis = next((i for i, d in enumerate(own) if d in ("HQ", "HQ|1")), None)
         shown, value = list(own), f"%{t.name}"
         if view == "heads" and heads:
-            shown[axis:axis + 1] = ["HK", "G"]
+            shown[axis : axis + 1] = ["HK", "G"]
             value = f"%{t.name}_heads"
         elif view == "head" and axis is not None:
             del shown[axis]
             value = f"%{t.name}_head"
         elem = types.dtypes[t.dtype]
-        typ = f"!{t.name}_t" if value == f"%{t.name}" else \
-            f"tensor<{''.join(f'{types.sym[d]}x' for d in shown)}{elem}>"
+        typ = f"!{t.name}_t" if value == f"%{t.name}" else f"tensor<{''.join(f'{types.sym[d]}x' for d in shown)}{elem}>"
         index = ", ".join("0" if d.endswith("|1") and types.sym[d] == 1 else dims[d.split("|")[0]] for d in shown)
-        out.append(Operand(value, typ, index, f"%{t.name}_v", elem, t.name,
-                           tuple(shape_of(t, types.sym, types.layout)), heads))
+        out.append(
+            Operand(value, typ, index, f"%{t.name}_v", elem, t.name, tuple(shape_of(t, types.sym, types.layout)), heads)
+        )
     return Operands(out)
 
 

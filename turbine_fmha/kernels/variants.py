@@ -67,7 +67,9 @@ class Variant(Named):
     nhead_k: int = dataclasses.field(metadata=number(4, "x", omit=0))
     page_block_size: int = dataclasses.field(metadata=number(6, "_pg"))
     mask: str = dataclasses.field(default="none", metadata=enum(9, _MASK_TAG))
-    bias: str = dataclasses.field(default="none", metadata=enum(10, {"none": "", "alibi": "_alibi", "elementwise": "_bias"}))
+    bias: str = dataclasses.field(
+        default="none", metadata=enum(10, {"none": "", "alibi": "_alibi", "elementwise": "_bias"})
+    )
     bias_shape: str = dataclasses.field(default="", metadata=enum(11, {s: s for s in ("",) + BIAS_SHAPES}))
     softcap: bool = dataclasses.field(default=False, metadata=enum(12, _flag("_softcap")))
     sinks: bool = dataclasses.field(default=False, metadata=enum(13, _flag("_sink")))
@@ -158,27 +160,39 @@ class Variant(Named):
                 raise ValueError(f"the online formulation cannot serve this variant: {reason}")
         if self.formulation == "explicit" and (self.batch_tile or self.seqlen_q_tile):
             raise ValueError("explicit variants have dynamic batch and query rows")
-        if self.group_rows and (self.formulation != "online" or self.per_head_terms
-                                or self.group_rows % self.seqlen_q_tile
-                                or self.group_rows < self.group_size * self.seqlen_q_tile):
-            raise ValueError("group_rows pads an online variant without per-head score terms: a multiple of "
-                             "seqlen_q_tile, at least the GQA group x seqlen_q_tile")
-        if self.merge_splits and (self.formulation != "online" or self.merge_splits < 2
-                                  or self.batch_tile % self.merge_splits):
-            raise ValueError("merge_splits (at least 2) merges an online variant's batch entries: batch_tile "
-                             "must be a multiple of it")
+        if self.group_rows and (
+            self.formulation != "online"
+            or self.per_head_terms
+            or self.group_rows % self.seqlen_q_tile
+            or self.group_rows < self.group_size * self.seqlen_q_tile
+        ):
+            raise ValueError(
+                "group_rows pads an online variant without per-head score terms: a multiple of "
+                "seqlen_q_tile, at least the GQA group x seqlen_q_tile"
+            )
+        if self.merge_splits and (
+            self.formulation != "online" or self.merge_splits < 2 or self.batch_tile % self.merge_splits
+        ):
+            raise ValueError(
+                "merge_splits (at least 2) merges an online variant's batch entries: batch_tile "
+                "must be a multiple of it"
+            )
         if not self.v_guard and (self.formulation != "online" or self.kv_dtype or self.v_layout != "row"):
             raise ValueError("only online variants with a row-major fp16/bf16/f32 V cache can drop the V guard")
 
     def _check_heads(self):
         if self.runtime_heads:
             if self.group < 0 or (self.formulation == "online" and not (self.group or self.group_rows)):
-                raise ValueError(f"a variant with run-time head counts has a static GQA group >= 1, or 0 (any "
-                                 f"group): in the online formulation, any group up to the padded one "
-                                 f"(group_rows); got group={self.group}")
+                raise ValueError(
+                    f"a variant with run-time head counts has a static GQA group >= 1, or 0 (any "
+                    f"group): in the online formulation, any group up to the padded one "
+                    f"(group_rows); got group={self.group}"
+                )
         elif self.nhead_q <= 0 or self.nhead_k <= 0 or self.group:
-            raise ValueError(f"nhead_q and nhead_k must be positive (or both 0, for run-time head counts, with "
-                             f"`group`), got nhead_q={self.nhead_q}, nhead_k={self.nhead_k}, group={self.group}")
+            raise ValueError(
+                f"nhead_q and nhead_k must be positive (or both 0, for run-time head counts, with "
+                f"`group`), got nhead_q={self.nhead_q}, nhead_k={self.nhead_k}, group={self.group}"
+            )
         elif self.nhead_q % self.nhead_k:
             raise ValueError(f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})")
 
@@ -300,8 +314,11 @@ GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 # count, 64 and 32 where short keys or small batches make fewer entries (a
 # call that takes two launches pays ~0.5 ms more on the host than one that
 # takes one: docs/devlog/perf-notes.md).
-MERGED_DECODE_TILES = (tuple((128, n) for n in (2, 4, 8, 16, 32, 64, 128)) + tuple((64, n) for n in (8, 16, 32, 64))
-                       + tuple((32, n) for n in (4, 8, 16, 32)))
+MERGED_DECODE_TILES = (
+    tuple((128, n) for n in (2, 4, 8, 16, 32, 64, 128))
+    + tuple((64, n) for n in (8, 16, 32, 64))
+    + tuple((32, n) for n in (4, 8, 16, 32))
+)
 MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 

@@ -9,8 +9,16 @@ import sys
 
 import numpy as np
 
-from ..core.arrays import (_DeviceCache, _fp8_name, _is_device_array, _is_torch, _np_torch_dtype, _to_numpy,
-                           kernel_host_array, torch_writes_done)
+from ..core.arrays import (
+    _DeviceCache,
+    _fp8_name,
+    _is_device_array,
+    _is_torch,
+    _np_torch_dtype,
+    _to_numpy,
+    kernel_host_array,
+    torch_writes_done,
+)
 
 # Host caches a plan keeps imported (two per layer of a large model).
 MAX_KEPT_IMPORTS = 512
@@ -43,7 +51,8 @@ class DeviceInterop:
         device = self.device_of()
         try:
             buf = device.allocator.import_host_allocation(
-                array, rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE, rt.BufferUsage.DEFAULT)
+                array, rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE, rt.BufferUsage.DEFAULT
+            )
         except Exception:  # e.g. an alignment the allocator refuses: copy instead
             return None
         imported = rt.DeviceArray(device, rt.HalBufferView(buf, list(array.shape), et))
@@ -119,8 +128,10 @@ class DeviceInterop:
             code = {"local-task": 1, "cuda": 2, "hip": 10}[self.target.driver]
             index = 0 if code == 1 else torch.device(self.torch_device).index
             try:
-                return tuple(torch.from_dlpack(self.device_of().create_dlpack_capsule(a._buffer_view, code, index))
-                             for a in arrays)
+                return tuple(
+                    torch.from_dlpack(self.device_of().create_dlpack_capsule(a._buffer_view, code, index))
+                    for a in arrays
+                )
             except RuntimeError:
                 # IREE's CUDA driver exports only plain device allocations,
                 # not the stream-ordered ones that hold function results
@@ -151,8 +162,7 @@ class DeviceInterop:
         torch memory."""
         import torch
 
-        out = [torch.empty(tuple(a.shape), dtype=_np_torch_dtype(a.dtype), device=self.torch_device)
-               for a in arrays]
+        out = [torch.empty(tuple(a.shape), dtype=_np_torch_dtype(a.dtype), device=self.torch_device) for a in arrays]
         if out and out[0].is_cuda:
             torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
         device = self.device_of()

@@ -56,7 +56,7 @@ class _Loaded:
         call.wait()
         return call.results(n_results)
 
-    def enqueue(self, args: list, after=None, own_timeline: bool = False) -> "_Call":
+    def enqueue(self, args: list, after=None, own_timeline: bool = False) -> _Call:
         """Queues the entry point on `args` and returns at once (for
         artifacts built before EXECUTION_MODEL, after the work). Device
         arrays go straight to the VM (FunctionInvoker's packing and wrapping
@@ -101,7 +101,6 @@ class _Loaded:
         t = self._tls
         if getattr(t, "fenced", False) and (failed is None or failed is t.timeline):
             t.timeline, t.value = self.config.device.create_semaphore(0), 0
-
 
 
 class _Call:
@@ -152,7 +151,7 @@ def wait_all(calls) -> Exception | None:
     for c in calls:
         try:
             c.wait()
-        except Exception as e:  # noqa: BLE001 - returned to the caller
+        except Exception as e:
             first = first or e
     if flag is not None:
         flag.settle()
@@ -170,13 +169,15 @@ class HostFlag:
     they all did. One per thread and device, reset before each use."""
 
     def __init__(self, device):
-        import numpy as np
         import iree.runtime as rt
+        import numpy as np
 
         self.device = device
         self.buffer = device.allocator.allocate_buffer(
             memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
-            allowed_usage=int(rt.BufferUsage.TRANSFER | rt.BufferUsage.MAPPING), allocation_size=4)
+            allowed_usage=int(rt.BufferUsage.TRANSFER | rt.BufferUsage.MAPPING),
+            allocation_size=4,
+        )
         self._mapping = self.buffer.map()
         self.value = self._mapping.asarray([1], np.dtype(np.int32))
         self._one = rt.asdevicearray(device, np.ones(1, np.int32))
@@ -189,8 +190,7 @@ class HostFlag:
         self.value[0] = 0
         self._count += 1
         waits = [(c.timeline, c.value) for c in calls]
-        self.device.queue_copy(self._one._buffer_view.get_buffer(), self.buffer, waits,
-                               [(self._timeline, self._count)])
+        self.device.queue_copy(self._one._buffer_view.get_buffer(), self.buffer, waits, [(self._timeline, self._count)])
         deadline = time.perf_counter() + SPIN_SECONDS
         while self.value[0] != 1:
             if time.perf_counter() > deadline:
@@ -204,7 +204,7 @@ class HostFlag:
 
         try:
             rt.HalFence.create_at(self._timeline, self._count).wait()
-        except Exception:  # noqa: BLE001 - a failed call failed the copy: nothing will write the flag
+        except Exception:
             self._timeline = self.device.create_semaphore(0)
             self._count = 0
 

@@ -50,13 +50,22 @@ class VariantSelection:
 
     def build_hint(self, name: str) -> str:
         """How to get the missing artifact `name`, for error messages."""
-        return (f"Build it with:\n  turbine-fmha build --targets {self.target.name} "
-                f"--artifacts {self.artifact_dir} --variants {name}\n"
-                f"or create the Session with compile_missing=True (either needs the build extra: "
-                f"pip install 'turbine-fmha[build]').")
+        return (
+            f"Build it with:\n  turbine-fmha build --targets {self.target.name} "
+            f"--artifacts {self.artifact_dir} --variants {name}\n"
+            f"or create the Session with compile_missing=True (either needs the build extra: "
+            f"pip install 'turbine-fmha[build]')."
+        )
 
-    def select(self, problem: dict, seqlen_q: int, batch: int, stale_rows_finite: bool = False,
-               merge: int = 0, skips_masked: bool = False) -> Variant:
+    def select(
+        self,
+        problem: dict,
+        seqlen_q: int,
+        batch: int,
+        stale_rows_finite: bool = False,
+        merge: int = 0,
+        skips_masked: bool = False,
+    ) -> Variant:
         """Picks the variant for a call: an exact match of `problem` (see
         Variant.problem) that merges `merge` split-KV entries per sequence
         (0: none; `batch` counts entries); among static (online) variants,
@@ -69,7 +78,8 @@ class VariantSelection:
         are finite (plan.stale_rows_finite)."""
         formulation = self._formulation_for(problem, seqlen_q == 1)
         cands = [
-            v for v in self._served_by(problem)
+            v
+            for v in self._served_by(problem)
             if v.formulation == formulation and (v.v_guard or stale_rows_finite) and v.merge_splits == merge
         ]
         if self.compile_missing:
@@ -80,8 +90,10 @@ class VariantSelection:
                 cands.append(preferred)
         if not cands:
             described = ", ".join(f"{k}={v}" for k, v in problem.items() if k != "group")
-            raise ArtifactError(f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
-                                + self.build_hint(self._default_variant_for(problem, seqlen_q).name))
+            raise ArtifactError(
+                f"no {self.target.name} artifact in {self.artifact_dir} for {described}. "
+                + self.build_hint(self._default_variant_for(problem, seqlen_q).name)
+            )
 
         def cost(v: Variant):
             # Least padded work first, then fewest kernel calls; for a decode
@@ -108,8 +120,14 @@ class VariantSelection:
         if self.compile_missing:
             return GPU_DECODE_TILES[-1][0]
         formulation = self._formulation_for(problem, True)
-        return max((v.batch_tile for v in self._served_by(problem)
-                    if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merge_splits), default=0)
+        return max(
+            (
+                v.batch_tile
+                for v in self._served_by(problem)
+                if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merge_splits
+            ),
+            default=0,
+        )
 
     def merge_splits_for(self, problem: dict) -> tuple:
         """The split counts of the decode variants for `problem` that merge
@@ -120,9 +138,15 @@ class VariantSelection:
             return ()
         if self.compile_missing:
             return MERGE_SPLITS
-        return tuple(sorted({v.merge_splits for v in self._served_by(problem)
-                             if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merge_splits
-                             and v.v_guard}))
+        return tuple(
+            sorted(
+                {
+                    v.merge_splits
+                    for v in self._served_by(problem)
+                    if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merge_splits and v.v_guard
+                }
+            )
+        )
 
     def serves(self, problem: dict, decode: bool = False) -> bool:
         """Whether select() can find (or, with compile_missing, build) a
@@ -158,15 +182,17 @@ class VariantSelection:
         formulations = {v.formulation for v in self._served_by(problem)}
         return formulations == {"explicit"}
 
-    def _default_variant_for(self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False,
-                             batch: int = 1, merge: int = 0) -> Variant:
+    def _default_variant_for(
+        self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False, batch: int = 1, merge: int = 0
+    ) -> Variant:
         if self._formulation_for(problem, seqlen_q == 1) == "explicit":
             # Run-time head counts cost the CPU kernels little (docs/perf-
             # notes.md), and one compile then serves every model of the group.
             return Variant(**runtime_heads(problem))
         # Decode: the smallest batch tile that holds the batch in one launch.
-        tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(
-            t for t, n in MERGED_DECODE_TILES if n == merge)
+        tiles = (
+            [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(t for t, n in MERGED_DECODE_TILES if n == merge)
+        )
         bt, mq = (next((t for t in tiles if t >= batch), tiles[-1]), 1) if seqlen_q == 1 else GPU_PREFILL_TILE
         guard = not (stale_rows_finite and problem["v_layout"] == "row")
         return online_variant(problem, bt, mq, v_guard=guard, merge_splits=merge)

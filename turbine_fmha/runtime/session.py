@@ -24,18 +24,17 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..build.artifacts import ArtifactError
+from ..build.targets import DEVICE_DEFAULT_TARGET, Target, get_target
+from ..core import env
+from ..core.tracing import untraced
+from ..kernels.append_kernel import AppendKernel
+from ..kernels.signature import KERNEL_ABI
+from ..kernels.variants import Variant, parse_kernel
 from .interop import DeviceInterop
 from .invoke import _Loaded, host_array, wait_all
+from .paths import default_artifact_dir, default_cache_dir, default_compile_missing
 from .plan_cache import PlanCache
 from .selection import VariantSelection, _problem_key
-from ..build.targets import DEVICE_DEFAULT_TARGET, Target, get_target
-from ..core.tracing import untraced
-from ..kernels.signature import KERNEL_ABI
-from ..kernels.append_kernel import AppendKernel
-from ..kernels.variants import Variant, parse_kernel
-
-from ..core import env
-from .paths import default_artifact_dir, default_cache_dir, default_compile_missing
 
 # The CUDA device's allocators ($TURBINE_FMHA_CUDA_ALLOCATORS, "" for none).
 # The default pools device buffers freed by calls
@@ -103,9 +102,7 @@ class Session(VariantSelection, DeviceInterop):
         from ..build.artifacts import parse_pins
 
         if device not in DEVICE_DEFAULT_TARGET:
-            raise ValueError(
-                f"device must be one of {sorted(DEVICE_DEFAULT_TARGET)}, got {device!r}"
-            )
+            raise ValueError(f"device must be one of {sorted(DEVICE_DEFAULT_TARGET)}, got {device!r}")
         self.device = device
         self.target: Target = get_target(target or DEVICE_DEFAULT_TARGET[device])
         if formulation not in (None, "explicit", "online"):
@@ -115,7 +112,9 @@ class Session(VariantSelection, DeviceInterop):
         self.formulation = formulation or self.target.formulation
         self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
         self.compile_missing = compile_missing
-        if compute_units is not None and (isinstance(compute_units, bool) or not isinstance(compute_units, int) or compute_units < 1):
+        if compute_units is not None and (
+            isinstance(compute_units, bool) or not isinstance(compute_units, int) or compute_units < 1
+        ):
             raise ValueError(f"compute_units must be a positive int, got {compute_units!r}")
         self.compute_units = compute_units or (cpu_threads() if device == "cpu" else DEFAULT_COMPUTE_UNITS[device])
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -140,8 +139,10 @@ class Session(VariantSelection, DeviceInterop):
         except ValueError as e:
             raise ValueError(f"${env.MANIFEST_SHA256}: {e}" if from_env else str(e)) from None
         if pins is not None and compile_missing:
-            raise ValueError("manifest_sha256 cannot be combined with compile_missing: variants compiled "
-                             "into cache_dir would load outside the pinned manifest")
+            raise ValueError(
+                "manifest_sha256 cannot be combined with compile_missing: variants compiled "
+                "into cache_dir would load outside the pinned manifest"
+            )
         self._read_manifest(self.artifact_dir, pins)
         if compile_missing:
             self._read_manifest(self.cache_dir)
@@ -183,8 +184,10 @@ class Session(VariantSelection, DeviceInterop):
                 # On-demand builds go through build(), which recompiles only
                 # when the rendered kernel, flags or compiler changed.
                 if not self.compile_missing:
-                    raise ArtifactError(f"no {self.target.name} artifact for variant {name} in "
-                                        f"{self.artifact_dir}. " + self.build_hint(name))
+                    raise ArtifactError(
+                        f"no {self.target.name} artifact for variant {name} in "
+                        f"{self.artifact_dir}. " + self.build_hint(name)
+                    )
                 entry = self._compile_into_cache(variant)
             loaded = self._load_entry(variant, entry)
             self._loaded[name] = loaded
@@ -202,7 +205,8 @@ class Session(VariantSelection, DeviceInterop):
             # Visible without any logging setup (WARNING reaches stderr):
             # a first call stalls for seconds while this compiles.
             logging.getLogger(__name__).warning(
-                "turbine-fmha: compiling %s for %s into %s (first use)", variant.name, self.target.name, self.cache_dir)
+                "turbine-fmha: compiling %s for %s into %s (first use)", variant.name, self.target.name, self.cache_dir
+            )
         build(self.cache_dir, [self.target.name], [variant])
         if self._index.pop(variant.name, None) is not None and isinstance(variant, Variant):
             self._by_problem[_problem_key(variant.problem)].remove(variant)
@@ -227,7 +231,7 @@ class Session(VariantSelection, DeviceInterop):
                 _MODULES[key] = vm_module
         loaded = _Loaded(variant, vm_module, config, spin=self.target.driver != "local-task")
         try:
-            loaded.function  # resolve the entry point now: a bad module fails here
+            _ = loaded.function  # resolve the entry point now: a bad module fails here
         except Exception as e:
             raise ArtifactError(f"cannot load {path}: {e}") from None
         return loaded
@@ -293,6 +297,7 @@ class Session(VariantSelection, DeviceInterop):
         # Only the results asked for are copied (a copy back from a GPU
         # costs ~0.2 ms however small).
         return [tuple(host_array(r) for r in one) for one in res]
+
 
 # Worker threads of Session.submit (calls in flight at once per session).
 ASYNC_WORKERS = 4
@@ -365,8 +370,9 @@ def _shared_config(driver: str):
                 try:
                     device = hal_driver.create_device_by_uri(driver, allocators=specs)
                 except (RuntimeError, ValueError) as e:
-                    raise RuntimeError(f"cannot create the {driver} device with allocators {specs} "
-                                       f"(${env.CUDA_ALLOCATORS}): {e}") from e
+                    raise RuntimeError(
+                        f"cannot create the {driver} device with allocators {specs} (${env.CUDA_ALLOCATORS}): {e}"
+                    ) from e
                 config = _CONFIGS[driver] = rt.Config(device=device)
             else:
                 config = _CONFIGS[driver] = rt.Config(driver)

@@ -64,7 +64,9 @@ def visible_mask(
     return in_window | is_sink
 
 
-def alibi_bias(slope: float, seqlen_q: int, seqlen_k: int, mask_type: str, window_size_left: int, window_size_right: int) -> np.ndarray:
+def alibi_bias(
+    slope: float, seqlen_q: int, seqlen_k: int, mask_type: str, window_size_left: int, window_size_right: int
+) -> np.ndarray:
     """ck_tile's ALiBi term [seqlen_q, seqlen_k] for one head (slope > 0).
 
     make_alibi_from_lr_mask: a causal mask (left < 0, right == 0) uses the
@@ -151,8 +153,11 @@ def fmha_fwd_paged_ref(
     if fmt is not None:
         import ml_dtypes
 
-        quant = (fmt, float(ml_dtypes.finfo(fmt).max) if p_scale is None else p_scale,
-                 1.0 if out_scale is None else out_scale)
+        quant = (
+            fmt,
+            float(ml_dtypes.finfo(fmt).max) if p_scale is None else p_scale,
+            1.0 if out_scale is None else out_scale,
+        )
     q = np.asarray(q).astype(np.float64) * (1.0 if q_scale is None else q_scale)
     # The caches stay in their dtype (a pool may be far larger than what a
     # call reads); each sequence's gathered rows are converted and scaled.
@@ -169,10 +174,16 @@ def fmha_fwd_paged_ref(
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
     hq = q.shape[-2]
-    kw = dict(scale=scale, mask_type=mask_type, window_size_left=window_size_left,
-              window_size_right=window_size_right, sink_size=sink_size,
-              logits_soft_cap=logits_soft_cap,
-              sinks=None if sinks is None else np.asarray(sinks, np.float64), quant=quant)
+    kw = dict(
+        scale=scale,
+        mask_type=mask_type,
+        window_size_left=window_size_left,
+        window_size_right=window_size_right,
+        sink_size=sink_size,
+        logits_soft_cap=logits_soft_cap,
+        sinks=None if sinks is None else np.asarray(sinks, np.float64),
+        quant=quant,
+    )
     if seqstart_q is None:
         return _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slopes, bias, **kw)
     total_q = q.shape[0]
@@ -183,20 +194,41 @@ def fmha_fwd_paged_ref(
         s0, s1 = int(seqstart_q[b]), int(seqstart_q[b + 1])
         if s1 == s0:
             continue
-        o, l = _batch_ref(
-            q[None, s0:s1], k_cache, v_cache, block_table[b : b + 1], seqlen_k[b : b + 1],
+        o, row_sum = _batch_ref(
+            q[None, s0:s1],
+            k_cache,
+            v_cache,
+            block_table[b : b + 1],
+            seqlen_k[b : b + 1],
             None if kv_offset is None else np.asarray(kv_offset)[b : b + 1],
             None if alibi_slopes is None else np.broadcast_to(alibi_slopes, (batch, hq))[b : b + 1],
             None if bias is None else np.asarray(bias)[None, :, s0:s1],
             **kw,
         )
         out[s0:s1] = o[0]
-        lse[:, s0:s1] = l[0]
+        lse[:, s0:s1] = row_sum[0]
     return out, lse
 
 
-def _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slopes, bias, *, scale,
-               mask_type, window_size_left, window_size_right, sink_size, logits_soft_cap, sinks, quant):
+def _batch_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seqlen_k,
+    kv_offset,
+    alibi_slopes,
+    bias,
+    *,
+    scale,
+    mask_type,
+    window_size_left,
+    window_size_right,
+    sink_size,
+    logits_soft_cap,
+    sinks,
+    quant,
+):
     """Batch mode on dequantized float64 inputs (v_cache row-major)."""
     b, sq, hq, d = q.shape
     hk = k_cache.shape[2]
@@ -230,9 +262,9 @@ def _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slop
                 fmt, p_scale, out_scale = quant
                 m0 = np.where(np.isneginf(m), 0.0, m)
                 p = np.exp(s - m0[:, None])
-                l = p.sum(axis=1) + (0.0 if sinks is None else np.exp(sinks[h] - m0))
+                row_sum = p.sum(axis=1) + (0.0 if sinks is None else np.exp(sinks[h] - m0))
                 o = (fp8_round(p * p_scale, fmt) @ v[:, h // group, :]) / p_scale
-                out[bi, :, h, :] = fp8_round(_normalize(o, l) / out_scale, fmt)
+                out[bi, :, h, :] = fp8_round(_normalize(o, row_sum) / out_scale, fmt)
             if sinks is not None:
                 m = np.maximum(m, sinks[h])
             # A row without visible keys has max -inf: shift by 0 so that its
@@ -240,19 +272,19 @@ def _batch_ref(q, k_cache, v_cache, block_table, seqlen_k, kv_offset, alibi_slop
             # not special-cased: they propagate NaN, as exp() does in ck_tile.
             m0 = np.where(np.isneginf(m), 0.0, m)
             p = np.exp(s - m0[:, None])
-            l = p.sum(axis=1)
+            row_sum = p.sum(axis=1)
             if sinks is not None:
-                l = l + np.exp(sinks[h] - m0)
-            empty = l == 0
+                row_sum = row_sum + np.exp(sinks[h] - m0)
+            empty = row_sum == 0
             with np.errstate(divide="ignore", invalid="ignore"):
-                lse[bi, h, :] = np.where(empty, -np.inf, m0 + np.log(np.where(empty, 1.0, l)))
+                lse[bi, h, :] = np.where(empty, -np.inf, m0 + np.log(np.where(empty, 1.0, row_sum)))
             if quant is None:
-                out[bi, :, h, :] = _normalize(p @ v[:, h // group, :], l)
+                out[bi, :, h, :] = _normalize(p @ v[:, h // group, :], row_sum)
     return out, lse
 
 
-def _normalize(o, l):
+def _normalize(o, row_sum):
     """o / l per row; rows whose sum is exactly 0 (no visible key) are 0."""
-    empty = l == 0
+    empty = row_sum == 0
     with np.errstate(invalid="ignore"):
-        return np.where(empty[:, None], 0.0, o / np.where(empty, 1.0, l)[:, None])
+        return np.where(empty[:, None], 0.0, o / np.where(empty, 1.0, row_sum)[:, None])
