@@ -71,7 +71,7 @@ def reshape_and_cache(
         v_cache with hdim_v); float16, bfloat16, float32 or fp8 (any of the
         four formats). Written in place: on a CPU session, writeable,
         C-contiguous, 64-byte aligned numpy arrays or CPU torch tensors
-        (cache.aligned_zeros, or any torch allocation); on a cuda/hip
+        (turbine_fmha.aligned_zeros, or any torch allocation); on a cuda/hip
         session, contiguous torch tensors on its GPU; or DeviceArrays of
         the session's device.
       slot_mapping: integers: distinct slots in [0, num_pages *
@@ -256,7 +256,8 @@ def cache_arg(x, name: str, session) -> _Cache:
     if not (a.flags.c_contiguous and a.flags.writeable and a.ctypes.data % 64 == 0):
         raise ValueError(
             f"{name} must be writeable, C-contiguous and 64-byte aligned to be written in place "
-            f"(turbine_fmha.cache.aligned_zeros makes such arrays; torch allocations are)"
+            f"(turbine_fmha.aligned_zeros makes such arrays, and so does every torch allocation; a view "
+            f"at an offset, such as buf[1:], is not one)"
         )
     return _Cache(a, a.shape, a.dtype)
 
