@@ -16,7 +16,7 @@ from turbine_fmha.build import aot as tfb
 from turbine_fmha.build.default_sets import check_set, default_append_kernels, gpu_default_set, host_default_set
 from turbine_fmha.build.isa import isa_problems
 from turbine_fmha.kernels.append_kernel import AppendKernel
-from turbine_fmha.kernels.variants import Variant
+from turbine_fmha.kernels.variants import GPU_ENTRY_TILES, GPU_PREFILL_TILES, Variant
 
 SMALL = [
     Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
@@ -37,9 +37,12 @@ def test_default_names_unchanged():
     merge split-KV partials in the module, _x<n>, were added, and the fp8
     KV caches' online decode variants; then the 128-split merges and the
     1024-row prefill tile.) The variants for any head counts came later,
-    under names of their own, then those over head-major (HND) pages;
-    every earlier name is kept."""
-    variants = gpu_default_set() + host_default_set()
+    under names of their own, then those over head-major (HND) pages, then
+    the GPU tiles that run a prefill's rows as entries of 128 rows (16 or
+    32 a launch, GPU_ENTRY_TILES); every earlier name is kept."""
+    everything = gpu_default_set() + host_default_set()
+    entry_tiles = [v for v in everything if (v.batch_tile, v.seqlen_q_tile) in GPU_ENTRY_TILES]
+    variants = [v for v in everything if (v.batch_tile, v.seqlen_q_tile) not in GPU_ENTRY_TILES]
     names = sorted(v.name for v in variants if not v.runtime_heads)
     names += sorted(a.name for gpu in (False, True) for a in default_append_kernels(gpu))
     assert len(names) == 608
@@ -52,6 +55,10 @@ def test_default_names_unchanged():
     # Then the same over head-major pages, each name an NHD one with _hnd.
     hnd = sorted({v.name for v in variants if v.kv_layout == "HND"})
     assert len(hnd) == 135 and all(n.replace("_hnd", "") in any_heads for n in hnd)
+    # Each entry tile is a prefill tile of the set in all but its batch tile.
+    prefill = {v.name for v in variants if (v.batch_tile, v.seqlen_q_tile) == GPU_PREFILL_TILES[0]}
+    assert len(entry_tiles) == 160
+    assert all(v.name.replace(f"_b{v.batch_tile}_q", "_b1_q") in prefill for v in entry_tiles)
 
 
 @pytest.mark.parametrize("bad", ["", "pagedkv_fwd_f8_d64x64_h4x2_pg16_nmask_lse_explicit", "foo"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..build.artifacts import ArtifactError
 from ..calls.modes import active_sequences, bias_rows, gappy_table, regroup
 from ..calls.plan import (
     KernelCall,
@@ -19,8 +20,10 @@ from ..calls.plan import (
     decode_splits,
     kernel_steps,
     merged_decode_splits,
+    modelled_cost,
     num_splits_heuristic,
     repeat_rows,
+    row_entries,
     rows_finite,
     split_kv,
     stale_rows,
@@ -41,7 +44,7 @@ from ..core.arrays import (
 )
 from ..core.checks import check_int, check_out
 from ..core.tracing import check_no_grad, untraced_methods
-from ..kernels.variants import bias_shape_of, group_rows_for
+from ..kernels.variants import ENTRY_ROWS, bias_shape_of, group_rows_for
 from ..runtime.session import Session, resolve_session
 from .conventions import conventions
 
@@ -215,11 +218,32 @@ class _Plan:
         self.merge = self.merge if self.merge == self.splits else 0
         self.call = split_kv(call, lay.page_block_size, self.splits, self.merge > 1) if self.splits > 1 else call
         self.key = self._key(self.splits, bias_shape_of(self.call.bias), self.merge > 1)
-        self.guard_free = (
-            session._formulation_for(self.key, self.rows == 1) == "online"
-            and lay.v_layout == "row"
-            and not lay.kv_dtype
-        )
+        online = session._formulation_for(self.key, self.rows == 1) == "online"
+        self.guard_free = online and lay.v_layout == "row" and not lay.kv_dtype
+        # Row chunks per sequence when the call runs as row entries
+        # (plan.row_entries), 0 when it runs as it is.
+        self.entries = 0
+        if online and self.splits == 1 and self.rows > 1:
+            self._choose_entries()
+
+    def _choose_entries(self) -> None:
+        """Runs the call as row entries when a built tile of several entries
+        makes it cheaper in the modelled cost (plan.modelled_cost: what the
+        launches compute plus a cost per launch) than the tile select()
+        picks for it as it is."""
+        alt = row_entries(self.call)
+        tiles = self.session.entry_variants(self.key) if alt is not None else []
+        if not tiles:
+            return
+        best = min(tiles, key=lambda v: modelled_cost(v, alt))
+        try:
+            here = self.session.select(
+                self.key, self.rows, self.call.batch, False, 0, self.p.scores.mask.has_right_edge
+            )
+        except ArtifactError:  # nothing serves the call as it is: the entries do
+            here = None
+        if here is None or modelled_cost(best, alt) < modelled_cost(here, self.call):
+            self.call, self.entries = alt, -(-self.rows // ENTRY_ROWS)
 
     def _key(self, splits: int, bias_shape: str, merged: bool = False) -> dict:
         """The variant key of the call in `splits` splits (`merged` in the
@@ -263,9 +287,14 @@ class _Plan:
     def _variant(self, rows_finite: bool):
         v = self._variants.get(rows_finite)
         if v is None:
-            v = self._variants[rows_finite] = self.session.select(
-                self.key, self.rows, self.call.batch, rows_finite, self.merge, self.p.scores.mask.has_right_edge
-            )
+            if self.entries:
+                tiles = self.session.entry_variants(self.key, rows_finite)
+                v = min(tiles, key=lambda t: (modelled_cost(t, self.call), t.v_guard))
+            else:
+                v = self.session.select(
+                    self.key, self.rows, self.call.batch, rows_finite, self.merge, self.p.scores.mask.has_right_edge
+                )
+            self._variants[rows_finite] = v
         return v
 
     def _device_steps(self, variant, results) -> list:
@@ -399,7 +428,13 @@ class _Plan:
     def _direct(self, steps) -> bool:
         """Whether one kernel call's results are exactly the outputs (no
         regrouping, splitting, chunking or padding)."""
-        if len(steps) != 1 or self.p.tables.group or self.splits > max(1, self.merge) or self.p.layout.static_quant:
+        if (
+            len(steps) != 1
+            or self.entries
+            or self.p.tables.group
+            or self.splits > max(1, self.merge)
+            or self.p.layout.static_quant
+        ):
             return False
         st = steps[0]
         return (st.b0, st.b1, st.s, st.e) == (0, self.call.batch, 0, self.rows) and st.tile in (
@@ -436,15 +471,22 @@ class _Plan:
         else:
             out_b, lse_b = out, lse
         dst = [out_b.view(np.int8) if lay.static_quant else out_b, lse_b]
-        if split:
-            dst = [results.empty((n, rows, lay.nhead_q, lay.hdim_v), lay.q_dtype)]
-            dst += [results.empty((n, lay.nhead_q, rows), np.float32) for _ in range(3)]
+        if split or self.entries:
+            r = self.call.rows  # ENTRY_ROWS for row entries
+            dst = [results.empty((n, r, lay.nhead_q, lay.hdim_v), lay.q_dtype)]
+            dst += [results.empty((n, lay.nhead_q, r), np.float32) for _ in range(3 if split else 1)]
+            if lay.static_quant:
+                dst[0] = dst[0].view(np.int8)
         for st, res in zip(steps, self._call(variant, steps, qb, k_cache, v_cache, results, len(dst))):
             st.place(dst, res)
         if split:
             o_c, l_c = combine_splits(*dst, self.splits, self.p.scores.sinks)
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
+        elif self.entries:
+            o_e, l_e = _from_entries(dst[0], dst[1], self.entries, rows)
+            (out_b.view(np.int8) if lay.static_quant else out_b)[...] = o_e
+            lse_b[...] = l_e
         if t.group:
             src, dst_rows = self._indices(results)
             out[src] = out_b.reshape((self.active.size * rows, lay.nhead_q, lay.hdim_v))[dst_rows]
@@ -462,11 +504,42 @@ class _Plan:
         """q as [entries, rows, heads, dim]: varlen rows regrouped by one
         gather (one launch on a GPU, not one per sequence)."""
         if not self.p.tables.group:
-            return q.contiguous() if _is_torch(q) else np.ascontiguousarray(q)
-        src, dst = self._indices(results)
-        qb = results.empty((self.active.size, self.rows) + tuple(q.shape[1:]), self.p.layout.q_dtype, fill=0)
-        qb.reshape((self.active.size * self.rows,) + tuple(q.shape[1:]))[dst] = q[src]
-        return qb
+            qb = q.contiguous() if _is_torch(q) else np.ascontiguousarray(q)
+        else:
+            src, dst = self._indices(results)
+            qb = results.empty((self.active.size, self.rows) + tuple(q.shape[1:]), self.p.layout.q_dtype, fill=0)
+            qb.reshape((self.active.size * self.rows,) + tuple(q.shape[1:]))[dst] = q[src]
+        return _to_entries(qb, self.entries, self.p.layout.q_dtype, results) if self.entries else qb
+
+
+def _to_entries(qb, chunks: int, dtype, results):
+    """q [batch, rows, ...] as row entries [chunks * batch, ENTRY_ROWS, ...]
+    (entry c * batch + b is rows c * ENTRY_ROWS.. of sequence b; rows past
+    the end are zero)."""
+    batch, rows = qb.shape[:2]
+    padded = results.empty((batch, chunks * ENTRY_ROWS) + tuple(qb.shape[2:]), dtype, fill=0)
+    padded[:, :rows] = qb
+    view = padded.reshape((batch, chunks, ENTRY_ROWS) + tuple(qb.shape[2:]))
+    return _swap01(view).reshape((chunks * batch, ENTRY_ROWS) + tuple(qb.shape[2:]))
+
+
+def _from_entries(out_e, lse_e, chunks: int, rows: int):
+    """The row entries' out [E, ENTRY_ROWS, heads, dv] and LSE [E, heads,
+    ENTRY_ROWS] back as [batch, rows, heads, dv] and [batch, heads, rows]."""
+    batch = out_e.shape[0] // chunks
+    heads, dv = out_e.shape[2:]
+    out = _swap01(out_e.reshape((chunks, batch, ENTRY_ROWS, heads, dv))).reshape(
+        (batch, chunks * ENTRY_ROWS, heads, dv)
+    )
+    lse = lse_e.reshape((chunks, batch, heads, ENTRY_ROWS))
+    lse = (lse.permute(1, 2, 0, 3) if _is_torch(lse) else lse.transpose(1, 2, 0, 3)).reshape(
+        (batch, heads, chunks * ENTRY_ROWS)
+    )
+    return out[:, :rows], lse[:, :, :rows]
+
+
+def _swap01(a):
+    return a.transpose(0, 1) if _is_torch(a) else a.swapaxes(0, 1)
 
 
 def _fingerprint(t) -> tuple:

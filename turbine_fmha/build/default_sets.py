@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..kernels.variants import FORMULATIONS, GPU_DECODE_TILE, GPU_DECODE_TILES, GPU_PREFILL_TILE, GPU_PREFILL_TILES, MASKS, MERGED_DECODE_TILES, Variant, group_rows_for, online_unsupported, online_variant
+from ..kernels.variants import FORMULATIONS, GPU_DECODE_TILE, GPU_DECODE_TILES, GPU_ENTRY_TILES, GPU_PREFILL_TILE, GPU_PREFILL_TILES, MASKS, MERGED_DECODE_TILES, Variant, group_rows_for, online_unsupported, online_variant
 from ..kernels.append_kernel import AppendKernel
 
 # Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
@@ -140,7 +140,7 @@ def _any_group_gpu_defaults() -> list[Variant]:
     # The same over HND pages, whose rows stay hdim apart whatever the head
     # count: there run-time heads cost nothing (docs/devlog/perf-notes.md).
     out = [v for dtype in ("f16", "bf16")
-           for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2],
+           for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2] + GPU_ENTRY_TILES,
                                               [(t, n) for t, n in MERGED_DECODE_TILES if t == 128])]
     return out + head_major(out)
 
@@ -179,7 +179,11 @@ def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Varian
         p = Variant(**shape).problem
         if formulation == "online" and not online_unsupported(p):
             out += decode_variants(p)
-            out += [online_variant(dict(p, mask=m), *t) for t in GPU_PREFILL_TILES for m in ("none", "bottom_right")]
+            out += [
+                online_variant(dict(p, mask=m), *t)
+                for t in GPU_PREFILL_TILES + GPU_ENTRY_TILES
+                for m in ("none", "bottom_right")
+            ]
         else:
             out += [Variant(**shape, mask=m) for m in MASKS]
     return out

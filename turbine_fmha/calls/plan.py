@@ -14,7 +14,7 @@ import numpy as np
 
 from ..core.arrays import ops_for
 from ..kernels.signature import KERNEL_ARGS, call_args
-from ..kernels.variants import Variant
+from ..kernels.variants import ENTRY_ROWS, Variant
 from .mask import MaskSpec
 
 # The explicit (CPU) kernel materializes [batch, heads, rows, keys] f32 scores
@@ -95,6 +95,7 @@ class Step:
     args: list
     place: object
     merge: int = 1
+    width: int = 0  # block table columns the step reads
 
     def q(self, q):
         """This step's q from the full [batch, rows, ...] q."""
@@ -105,14 +106,15 @@ class Step:
         return _pad_axis(_pad_rows(chunk, self.tile[0] // n), 1, self.tile[1])
 
 
-def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
+def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> list[Step]:
     """Splits one validated call into kernel calls. Explicit variants chunk
     query rows to bound the score tile; static (online) variants pad the
     batch (seqlen_k 0, page 0) and query rows (zeros; their outputs are
     dropped) up to the variant's tiles. Arguments follow the kernel
     signature: block_table, seqlen_q, seqlen_k, kv_shift, fparams, iparams,
     then alibi_slopes / bias / sinks where the variant has them: the order
-    the kernel signature declares (signature.call_args)."""
+    the kernel signature declares (signature.call_args). Without
+    `with_args` the steps carry no arguments (for a cost model)."""
     fparams = np.array([c.scale, c.softcap, c.scale_o, c.scale_p], np.float32)
     left, right = c.mask.kernel_sides
     bias = c.bias
@@ -140,7 +142,8 @@ def kernel_steps(variant: Variant, c: KernelCall) -> list[Step]:
             sinks=lambda: c.sinks,
         )
         n = max(1, variant.merge_splits)
-        return Step(b0, b1, s, e, tile, [args[a]() for a in order], _placer(b0 // n, b1 // n, s, e), n)
+        made = [args[a]() for a in order] if with_args else []
+        return Step(b0, b1, s, e, tile, made, _placer(b0 // n, b1 // n, s, e), n, w)
 
     if variant.formulation == "explicit":
         # f32 scores plus probabilities in q's type (f16 for fp8 q).
@@ -223,6 +226,67 @@ def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.nd
         if t1 > t0:
             out[b, :, :, t0 + n0 : t1 + n0] = src[:, :, t0:t1]
     return out
+
+
+# What one more prefill launch costs, in score elements (query rows x keys)
+# of work: fit to the H200's causal 4096 prefill cut at the diagonal in row
+# tiles of 512-4096 (docs/devlog/perf-notes.md, "Causal prefill in 1024-row
+# chunks": time ~ 0.23 ms per million elements + 0.31 ms per launch).
+PREFILL_LAUNCH_ELEMENTS = 1_400_000
+
+
+def row_entries(c: KernelCall, rows: int = ENTRY_ROWS) -> KernelCall | None:
+    """The call with each `rows`-row chunk of each sequence as a sequence of
+    its own, so that one launch of a tile of several entries runs chunks of
+    many sequences (a chunked prefill's 4 x 512 rows: 16 entries of 128)
+    where a tile of one entry took a launch per chunk. Entry c * batch + b
+    is chunk c of sequence b (chunks of equal index need about as many keys,
+    so a launch's table, cut to its entries' keys, wastes little). A chunk
+    keeps every key its rows see: with a bottom-right mask whose right side
+    is 0 (causal, any left window, sink tokens) its diagonal stays where it
+    was when it has the keys up to its last row's, and without a mask it
+    has them all. None for the calls where a chunk's scores would differ:
+    ALiBi and bias (they depend on the row), another mask, one chunk of one
+    sequence."""
+    mask = c.mask
+    if c.alibi_slopes is not None or c.bias is not None or c.rows <= 1:
+        return None
+    if not (mask.type == "none" or (mask.type == "bottom_right" and mask.right == 0)):
+        return None
+    chunks = -(-c.rows // rows)
+    if chunks * c.batch == 1:
+        return None
+    b = np.tile(np.arange(c.batch), chunks)
+    start = np.repeat(np.arange(chunks) * rows, c.batch)
+    seqlen_q = np.clip(c.seqlen_q[b].astype(np.int64) - start, 0, rows)
+    seqlen_k = c.seqlen_k[b].astype(np.int64)
+    if mask.type == "bottom_right":
+        # Keys up to the last row's diagonal: seqlen_k - seqlen_q + its
+        # last row + 1, so that the chunk's diagonal (its seqlen_k minus its
+        # rows) is the sequence's at that row.
+        seqlen_k = np.clip(seqlen_k - c.seqlen_q[b] + start + seqlen_q, 0, seqlen_k)
+    seqlen_k = np.where(seqlen_q > 0, seqlen_k, 0)
+    return dataclasses.replace(
+        c,
+        rows=rows,
+        block_table=np.ascontiguousarray(c.block_table[b]),
+        seqlen_q=seqlen_q.astype(np.int32),
+        seqlen_k=seqlen_k.astype(np.int32),
+        kv_shift=np.ascontiguousarray(c.kv_shift[b]),
+    )
+
+
+def modelled_cost(variant: Variant, c: KernelCall) -> int:
+    """A call's modelled device time in score elements: what its launches
+    compute (each entry of a tile over the keys of its launch's table) plus
+    PREFILL_LAUNCH_ELEMENTS per launch (the fit behind the H200's prefill
+    tiles, runtime.selection)."""
+    steps = kernel_steps(variant, c, with_args=False)
+    elements = 0
+    for st in steps:
+        entries, rows = st.tile or (st.b1 - st.b0, st.e - st.s)
+        elements += entries * rows * st.width * variant.page_block_size
+    return elements + len(steps) * PREFILL_LAUNCH_ELEMENTS
 
 
 def num_splits_heuristic(work_items: int, units: int, keys: int) -> int:

@@ -306,6 +306,11 @@ PROBLEM_FIELDS = (
 # selection.prefill_tile_cost).
 GPU_DECODE_TILES = ((8, 1), (32, 1), (64, 1), (128, 1))
 GPU_PREFILL_TILES = ((1, 128), (1, 1024), (1, 4096))
+# Prefill rows as entries of 128 rows each (plan.row_entries), 16 or 32 of
+# them per launch: a chunked prefill of 4 x 512 rows took 16 launches of the
+# first prefill tile.
+ENTRY_ROWS = GPU_PREFILL_TILES[0][1]
+GPU_ENTRY_TILES = ((16, ENTRY_ROWS), (32, ENTRY_ROWS))
 GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 # Decode variants that merge split-KV partials in the module
 # (Variant.merge_splits): (batch tile, split count). The runtime splits a

@@ -4,7 +4,9 @@ serves a call."""
 from __future__ import annotations
 
 from ..build.artifacts import ArtifactError
+from ..calls.plan import PREFILL_LAUNCH_ELEMENTS
 from ..kernels.variants import (
+    ENTRY_ROWS,
     GPU_DECODE_TILES,
     GPU_PREFILL_TILE,
     MERGE_SPLITS,
@@ -26,13 +28,6 @@ def _heads_rank(v: Variant) -> int:
     """Exact head counts first, then run-time ones for the group, then for
     any group: the most specialized kernel of equal cost."""
     return 0 if not v.runtime_heads else (1 if v.group else 2)
-
-
-# What one more prefill launch costs, in score elements (query rows x keys)
-# of work: fit to the H200's causal 4096 prefill cut at the diagonal in row
-# tiles of 512-4096 (docs/devlog/perf-notes.md, "Causal prefill in 1024-row
-# chunks": time ~ 0.23 ms per million elements + 0.31 ms per launch).
-PREFILL_LAUNCH_ELEMENTS = 1_400_000
 
 
 def prefill_tile_cost(rows: int, tile: int) -> int:
@@ -113,6 +108,21 @@ class VariantSelection:
             return (padded, btiles * prefill_tile_cost(seqlen_q, v.seqlen_q_tile) if skips_masked else launches) + tail
 
         return min(cands, key=cost)
+
+    def entry_variants(self, problem: dict, stale_rows_finite: bool = False) -> list[Variant]:
+        """The built online variants that run `problem` as row entries
+        (plan.row_entries: ENTRY_ROWS rows each), with the stale-row guard
+        unless stale_rows_finite. Empty unless one of them takes several
+        entries per launch: then entries can pay."""
+        cands = [
+            v
+            for v in self._served_by(problem)
+            if v.formulation == "online"
+            and v.seqlen_q_tile == ENTRY_ROWS
+            and not v.merge_splits
+            and (v.v_guard or stale_rows_finite)
+        ]
+        return cands if any(v.batch_tile > 1 for v in cands) else []
 
     def decode_batch_limit(self, problem: dict) -> int:
         """The largest decode batch tile select() can use for `problem`: a

@@ -1,0 +1,164 @@
+"""A prefill run as row entries (issue 27 target 2): each 128-row chunk of
+each sequence a sequence of its own, so that a tile of several entries
+runs the chunks of many sequences in one launch. The online formulation
+on the CPU, against the float64 reference on fresh random inputs with
+NaN in spare pages and garbage in unused table slots: causal (bottom
+right, with a left window and sink tokens), no mask, group mode with
+decodes beside prefills, gappy KV, torch tensors and out=; and the calls
+that must not run as entries (ALiBi, bias, top-left masks) still right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import CACHE, make_problem, run_and_check
+
+import turbine_fmha
+from turbine_fmha.build import aot
+from turbine_fmha.calls.mask import MaskSpec
+from turbine_fmha.calls.plan import KernelCall, row_entries
+from turbine_fmha.kernels.variants import ENTRY_ROWS, Variant, online_variant
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+
+BASE = Variant("f16", 64, 64, 4, 2, 16, "bottom_right")
+# The entry tiles (b1 and b4 of 128 rows) without a mask and bottom-right;
+# a decode tile for group mode's decodes.
+TILES = [online_variant(dict(BASE.problem, mask=m), bt, ENTRY_ROWS) for m in ("none", "bottom_right") for bt in (1, 4)]
+TILES += [online_variant(dict(BASE.problem, mask="none"), 8, 1)]
+
+
+@pytest.fixture(scope="module")
+def entries_session():
+    out = CACHE / "row-entries"
+    aot.build(out, ["host"], TILES)
+    return turbine_fmha.Session("cpu", artifact_dir=out, formulation="online")
+
+
+CASES = {
+    # name: (fmha_fwd_paged's mask arguments, seqlen_k per sequence, seqlen_q)
+    "causal": (dict(mask_type="bottom_right", window_size_right=0), [600, 300, 450], 200),
+    "no_mask": ({}, [300, 200, 280], 150),
+    "window_and_sinks": (
+        dict(mask_type="bottom_right", window_size_left=50, window_size_right=0, sink_size=4),
+        [400, 256, 300],
+        180,
+    ),
+    # New rows over cached keys, as a chunked prefill has them.
+    "chunked_prefill": (dict(mask_type="bottom_right", window_size_right=0), [700, 650, 690, 610], 128),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_entries_match_the_reference(entries_session, rng, case):
+    kw, lens_k, rows = CASES[case]
+    p = make_problem(
+        rng, dtype="f16", batch=len(lens_k), seqlen_q=rows, seqlens_k=lens_k, nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    run_and_check(entries_session, p, dtype="f16", **kw)
+    assert entries_session.last_variant.batch_tile == 4, entries_session.last_variant.name
+
+
+def test_group_mode_gappy_torch_and_out(entries_session, rng):
+    """Group mode (prefills of several lengths beside decodes), gappy KV,
+    torch tensors and a NaN-poisoned out=: rows are regrouped through the
+    entries and every row is written."""
+    import torch
+
+    lens_q, lens_k = [150, 1, 260, 1, 40], [300, 90, 500, 33, 200]
+    offsets = np.array([3, 0, 17, 5, 0], np.int32)
+    q4, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=5,
+        seqlen_q=max(lens_q),
+        seqlens_k=[n + 20 for n in lens_k],
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
+    sk = np.array(lens_k, np.int32)
+    q = np.concatenate([q4[b, :n] for b, n in enumerate(lens_q)])
+    starts = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    kw = dict(seqstart_q=starts, kv_offset=offsets, mask_type="bottom_right", window_size_right=0)
+    out = torch.full((q.shape[0], 4, 64), float("nan"), dtype=torch.float16)
+    got, lse = turbine_fmha.fmha_fwd_paged(
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        bt,
+        sk,
+        out=out,
+        return_lse=True,
+        session=entries_session,
+        **kw,
+    )
+    assert got is out
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    err = np.abs(out.double().numpy() - ref).max() / np.abs(ref).max()
+    assert err <= 5e-3, err  # conftest.OUT_TOL["f16"]
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse.numpy()), ~finite)
+    assert np.abs(lse.numpy()[finite] - ref_lse[finite]).max() <= 5e-3  # conftest.LSE_TOL["f16"]
+
+
+@pytest.mark.parametrize("refused", ["top_left", "alibi", "right_window"])
+def test_calls_entries_cannot_serve_run_as_they_are(refused):
+    """A top-left mask, ALiBi and a right window side depend on a row's
+    absolute position in ways an entry cannot keep: row_entries refuses
+    them (the plan then runs the call as it is)."""
+    c = KernelCall(
+        rows=300,
+        q_itemsize=2,
+        nhead_q=4,
+        block_table=np.zeros((2, 40), np.int32),
+        seqlen_q=np.array([300, 200], np.int32),
+        seqlen_k=np.array([600, 600], np.int32),
+        kv_shift=np.zeros(2, np.int32),
+        scale=1.0,
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec.from_args("bottom_right", -1, 0),
+        alibi_slopes=None,
+        bias=None,
+        sinks=None,
+    )
+    assert row_entries(c) is not None
+    if refused == "alibi":
+        c.alibi_slopes = np.ones((2, 4), np.float32)
+    else:
+        c.mask = MaskSpec.from_args(
+            "top_left" if refused == "top_left" else "bottom_right", -1, 0 if refused == "top_left" else 5
+        )
+    assert row_entries(c) is None
+
+
+def test_entry_tables():
+    """Entry c * batch + b is chunk c of sequence b: its rows, and the keys
+    up to its last row's diagonal."""
+    c = KernelCall(
+        rows=300,
+        q_itemsize=2,
+        nhead_q=4,
+        block_table=np.arange(80, dtype=np.int32).reshape(2, 40),
+        seqlen_q=np.array([300, 200], np.int32),
+        seqlen_k=np.array([600, 500], np.int32),
+        kv_shift=np.array([0, 7], np.int32),
+        scale=1.0,
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec.from_args("bottom_right", -1, 0),
+        alibi_slopes=None,
+        bias=None,
+        sinks=None,
+    )
+    e = row_entries(c)
+    assert e.rows == ENTRY_ROWS and e.batch == 6
+    np.testing.assert_array_equal(e.seqlen_q, [128, 128, 128, 72, 44, 0])
+    # Sequence 0 (shift 300): its chunks end at rows 127, 255, 299 -> keys 428, 556, 600.
+    # Sequence 1 (shift 300): rows 127, 199 -> keys 428, 500; its third chunk is empty.
+    np.testing.assert_array_equal(e.seqlen_k, [428, 428, 556, 500, 600, 0])
+    np.testing.assert_array_equal(e.kv_shift, [0, 7, 0, 7, 0, 7])
+    np.testing.assert_array_equal(e.block_table[1], c.block_table[1])
