@@ -360,3 +360,187 @@ def test_device_pools_are_allocated_past_the_call_buffer_pool(explicit_session, 
     np.testing.assert_array_equal(held.to_host(), x)
     x[...] = 0  # a copy, not a view of the host array
     assert held.to_host().any()
+
+
+def _pool_state(cache, seqs):
+    """Everything an append changes: both pools, the page accounting (free
+    list in order, reference counts), every sequence's pages and length,
+    and the finiteness marks."""
+    dev = () if cache.k_dev is None else (cache.k_dev.to_host(), cache.v_dev.to_host())
+    return dict(
+        k=cache.k.copy(),
+        v=cache.v.copy(),
+        dev=dev,
+        free=list(cache._free),
+        refs=cache._refs.copy(),
+        seqs={s: (cache.pages(s), cache.seqlen(s)) for s in seqs},
+        finite=cache.values_finite,
+    )
+
+
+def _assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if key in ("k", "v", "refs"):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        elif key == "dev":
+            for x, y in zip(a[key], b[key]):
+                np.testing.assert_array_equal(x, y)
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_append_batch_is_appends_one_by_one(explicit_session, rng, where, kv_layout):
+    """append_batch(seqs, k, v) leaves the cache exactly as append(seqs[i],
+    k[i], v[i]) in order does: the same pages taken in the same order, a
+    shared partly filled last page copied by each writer but its last
+    holder (forks of forks hold one page three times), the same reference
+    counts, rows and finiteness marks (NaN rows come and go); it fails with
+    CacheFullError changing nothing where the pages do not suffice for the
+    whole batch. Random forks, frees and batches of 0-17 tokens, with
+    numpy and torch rows, on a host pool and on a device pool (with its
+    mirror)."""
+    import torch
+
+    session = explicit_session if where == "device" else None
+    one, batched = (PagedKVCache(40, 4, HK, D, "f32", session=session, kv_layout=kv_layout) for _ in range(2))
+    live = [one.allocate()]
+    assert batched.allocate() == live[0]
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.2 and len(live) < 10:
+            parent = live[int(rng.integers(len(live)))]
+            live.append(one.fork(parent))
+            assert batched.fork(parent) == live[-1]
+        elif op < 0.3 and len(live) > 1:
+            s = live.pop(int(rng.integers(len(live))))
+            one.free(s)
+            batched.free(s)
+        else:
+            seqs = [live[i] for i in rng.permutation(len(live))[: int(rng.integers(1, len(live) + 1))]]
+            n = int(rng.choice([0, 1, 1, 2, 5, 17]))
+            k, v = (rng.standard_normal((len(seqs), n, HK, D)).astype(np.float32) for _ in range(2))
+            if n and rng.random() < 0.3:
+                v[int(rng.integers(len(seqs))), int(rng.integers(n)), 1, 3] = np.nan
+            before = _pool_state(batched, live)
+            rows = (torch.from_numpy(k), torch.from_numpy(v)) if rng.random() < 0.4 else (k, v)
+            try:
+                batched.append_batch(seqs, *rows)
+            except CacheFullError:
+                _assert_same_state(_pool_state(batched, live), before)
+                continue
+            for i, s in enumerate(seqs):
+                one.append(s, k[i], v[i])
+        _assert_same_state(_pool_state(batched, live), _pool_state(one, live))
+    # At least once, whatever the draws (test_append_batch_failures_change_
+    # nothing has a batch whose first sequence alone would fit).
+    before = _pool_state(batched, live)
+    big = np.zeros((len(live), 4 * (batched.num_free_pages + 1), HK, D), np.float32)
+    with pytest.raises(CacheFullError, match=f"the {len(live)} sequences need"):
+        batched.append_batch(live, big, big)
+    _assert_same_state(_pool_state(batched, live), before)
+
+
+def test_append_batch_failures_change_nothing(explicit_session, rng):
+    """A batch that fails (bad shapes or dtypes, a sequence named twice or
+    unknown, too few pages, or the device write itself) changes nothing."""
+    cache = PagedKVCache(6, 4, HK, D, "f32", session=explicit_session)
+    a = cache.allocate()
+    cache.append(a, *_tokens(rng, 6))
+    b = cache.fork(a)  # the next append of b copies the shared last page
+    before = _pool_state(cache, [a, b])
+    k, v = (rng.standard_normal((2, 3, HK, D)).astype(np.float32) for _ in range(2))
+    cases = [
+        ((a, b), k[:, :, :1], v, ValueError, r"k_new must have shape \[2, n, 2, 16\]"),
+        ((a, b), k, v[:1], ValueError, "v_new must have shape"),
+        ((a, b), k, v[:, :2], ValueError, "v_new has 2 rows per sequence"),
+        ((a, b), k[0], v[0], ValueError, "k_new must have shape"),
+        ((a, b), k.astype(np.float16), v, TypeError, "k_new has dtype"),
+        ((a, a), k, v, ValueError, "each sequence once"),
+        ((a, 7), k, v, KeyError, "no sequence 7"),
+        # a copies the shared page and takes 2 more, then b owns it alone and takes 2
+        (
+            (a, b),
+            *(rng.standard_normal((2, 9, HK, D)).astype(np.float32) for _ in range(2)),
+            CacheFullError,
+            "need 5 free pages for 9 tokens each, 4 are free",
+        ),
+    ]
+    for seqs, kk, vv, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            cache.append_batch(seqs, kk, vv)
+        _assert_same_state(_pool_state(cache, [a, b]), before)
+
+    def broken(*args):
+        raise RuntimeError("device write failed")
+
+    good, cache._append_fn = cache._append_fn, broken
+    with pytest.raises(RuntimeError, match="device write failed"):
+        cache.append_batch([b, a], k, v)
+    _assert_same_state(_pool_state(cache, [a, b]), before)
+    cache._append_fn = good
+    cache.append_batch([b, a], k, v)  # and the cache still works
+    for s, i in ((b, 0), (a, 1)):
+        np.testing.assert_array_equal(cache.gather(s)[0][6:], k[i])
+    np.testing.assert_array_equal(cache.k_dev.to_host(), cache.k)
+
+
+def test_append_batch_is_one_device_write(explicit_session, rng, monkeypatch):
+    """A device pool writes a whole batch, copied shared pages included,
+    with one append-kernel call."""
+    from turbine_fmha.api import cache as cache_mod
+
+    cache = PagedKVCache(32, 4, HK, D, "f32", session=explicit_session)
+    seqs = [cache.allocate() for _ in range(3)]
+    cache.append_batch(seqs, *(rng.standard_normal((3, 6, HK, D)).astype(np.float32) for _ in range(2)))
+    seqs += [cache.fork(seqs[0]), cache.fork(seqs[1])]
+    calls = []
+    real = cache_mod.run_append
+    monkeypatch.setattr(cache_mod, "run_append", lambda *a: calls.append(a[4].shape) or real(*a))  # the slots
+    k, v = (rng.standard_normal((5, 3, HK, D)).astype(np.float32) for _ in range(2))
+    cache.append_batch(seqs, k, v)
+    assert calls == [(5 * 3 + 2 * 2, 2)]  # 15 new rows and the 2 rows of each of the 2 copied pages
+    np.testing.assert_array_equal(cache.k_dev.to_host(), cache.k)
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(cache.gather(s)[1][6:], v[i])
+
+
+def test_finiteness_checks_are_read_back_lazily(explicit_session, rng, monkeypatch):
+    """Appends of torch rows compute their rows' finiteness beside the rows
+    and do not read it back (on a GPU that read waited for the device, per
+    append); values_finite reads back every pending check at once, and
+    all_values_finite those of several pools in one transfer. The marks
+    stay exact: a NaN row counts until it is overwritten, freed or not."""
+    import torch
+
+    from turbine_fmha.api import cache as cache_mod
+
+    reads = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: reads.append(t.shape) or real_cpu(t, *a, **k))
+    caches = [PagedKVCache(8, 4, HK, D, "f32", session=explicit_session, host_mirror=False) for _ in range(2)]
+    seqs = [[c.allocate() for _ in range(2)] for c in caches]
+    for step in range(3):
+        for c, ss in zip(caches, seqs):
+            k, v = (torch.from_numpy(rng.standard_normal((2, 2, HK, D)).astype(np.float32)) for _ in range(2))
+            if step == 1 and c is caches[1]:
+                v[1, 0, 0, 0] = float("nan")  # row 2 of sequence 1's first page
+            c.append_batch(ss, k, v)
+    assert reads == []
+    assert cache_mod.all_values_finite(caches) is False
+    assert reads == [(24,)]  # 2 pools x 3 appends x 2 sequences x 2 rows, in one read
+    assert caches[0].values_finite and not caches[1].values_finite and len(reads) == 1
+    nan_page = caches[1].pages(seqs[1][1])[0]
+    caches[1].free(seqs[1][1])
+    assert not caches[1].values_finite  # a freed page keeps its rows until they are overwritten
+    c = caches[1].allocate()
+    caches[1].append(c, *(torch.from_numpy(t) for t in _tokens(rng, 3)))  # overwrites the NaN row
+    assert caches[1].pages(c)[0] == nan_page and caches[1].values_finite
+    # A pool nobody asks reads its checks back itself, every so many appends.
+    monkeypatch.setattr(cache_mod, "MAX_PENDING_CHECKS", 3)
+    reads.clear()
+    for _ in range(3):
+        caches[0].append_batch(seqs[0], *(torch.zeros(2, 1, HK, D) for _ in range(2)))
+    assert reads == [(6,)] and not caches[0]._pending

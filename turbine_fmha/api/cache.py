@@ -1,16 +1,20 @@
 """A paged KV cache for serving: a page pool with per-sequence page lists.
 
-Sequences are allocated, grow by appending tokens' K/V, fork (the child
-shares every page of the parent, reference counted, and copies the shared
-last page only when it writes into it), and are freed. `batch` turns a list
-of sequences into the block table and seqlen_k that `fmha_fwd_paged` takes.
+Sequences are allocated, grow by appending tokens' K/V (`append`, or
+`append_batch` for n tokens to each of many sequences in one write), fork
+(the child shares every page of the parent, reference counted, and copies
+the shared last page only when it writes into it), and are freed. `batch`
+turns a list of sequences into the block table and seqlen_k that
+`fmha_fwd_paged` takes.
 
 Appended rows must have the pool's dtype (numpy arrays or torch tensors):
 values are never converted, so what is stored is exactly what was given.
 The pool is zero-initialized, and the cache tracks which rows hold a
 non-finite V value, for as long as they hold it, rows of freed pages
 included: while none does, the GPU kernels without the stale-row guard can
-serve it (fmha_fwd_paged's kv_rows_finite).
+serve it (fmha_fwd_paged's kv_rows_finite). Appends do not wait for that
+check: it is read back when `values_finite` is next asked (or by
+`all_values_finite` for several pools in one transfer).
 
 With a `session`, the pool lives on that session's device (IREE device
 arrays `k_dev`/`v_dev`): appends write only the new rows there, through an
@@ -24,6 +28,8 @@ it. Without it (host_mirror=False) a device pool takes no host memory, and
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 
 import numpy as np
@@ -33,10 +39,10 @@ from ..core.arrays import (
     _DeviceCache,
     _dtype_name,
     _fp8_name,
+    _is_torch,
     _to_numpy,
     aligned_empty,
     np_dtype,
-    ops_for,
 )
 from ..core.tracing import untraced_methods
 from ..kernels.append_kernel import AppendKernel
@@ -44,6 +50,11 @@ from ..kernels.variants import KV_LAYOUTS
 from ..runtime.interop import run_append
 from .eager import fmha_fwd_paged
 from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info
+
+# Appends whose finiteness checks wait, at most, before a pool reads them
+# back itself: a pool whose values_finite nobody asks for then costs one
+# host read per this many appends, and holds no more of the checks' flags.
+MAX_PENDING_CHECKS = 256
 
 
 class CacheFullError(RuntimeError):
@@ -108,6 +119,10 @@ class PagedKVCache:
         self._next_id = 0
         self._lock = threading.Lock()
         self._v_bad = np.zeros((num_pages, page_block_size), bool)  # rows holding a non-finite V value
+        self._n_bad = 0  # of _v_bad: values_finite without scanning the pool
+        # Writes whose finiteness check is not read back yet: (pages, rows,
+        # flags), oldest first (_record).
+        self._pending: list[tuple] = []
         self.session = session
         self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
@@ -219,7 +234,7 @@ class PagedKVCache:
                 shared_rows = self._at(np.full(fill, shared), np.arange(fill))
                 k_rows = np.concatenate([self.k[shared_rows], k_new])
                 v_rows = np.concatenate([self.v[shared_rows], v_new])
-            bad = _nonfinite_rows(v_rows)
+            bad = _nonfinite_flags(v_rows)
             if self.k_dev is not None and pos.size:
                 self._device_write(k_rows, v_rows, rows_p, pos % page)
             # Commit: nothing below can fail.
@@ -232,18 +247,126 @@ class PagedKVCache:
             self._refs[taken] = 1
             self._pages[seq] = pages
             self._lens[seq] = length + n
-            # Whether kernels without the stale-row guard may read the pool
-            # depends on every V row it holds (plan.stale_rows_finite),
-            # rows of freed pages included: a row keeps its mark until it
-            # is overwritten.
-            self._v_bad[rows_p, pos % page] = bad
+            self._record(rows_p, pos % page, bad)
+
+    def append_batch(self, seqs, k_new, v_new) -> None:
+        """Writes n tokens at the end of each of the distinct sequences
+        `seqs` in one write: K [len(seqs), n, nhead_k, hdim] and V
+        [len(seqs), n, nhead_k, hdim_v] (row i goes to seqs[i]), of the
+        pool's dtype, as `append` takes them. The result is that of
+        append(seqs[i], k_new[i], v_new[i]) for each i in order (the same
+        pages, taken in that order; shared last pages copied on write), but
+        all or nothing: CacheFullError when the free pages do not suffice
+        for the whole batch, and any error leaves the cache exactly as it
+        was. A device pool takes one append-kernel call for the batch."""
+        seqs = list(seqs)
+        self._rows_arg(k_new, "k_new", self._dims[0], len(seqs))
+        self._rows_arg(v_new, "v_new", self._dims[1], len(seqs))
+        if v_new.shape[1] != k_new.shape[1]:
+            raise ValueError(f"v_new has {v_new.shape[1]} rows per sequence but k_new has {k_new.shape[1]}")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("append_batch takes each sequence once: seqs holds one twice")
+        if self.k is not None:  # the host pool or mirror is written from host memory
+            k_new, v_new = _to_numpy(k_new, "k_new"), _to_numpy(v_new, "v_new")
+        batch, n = len(seqs), k_new.shape[1]
+        page = self.page_block_size
+        with self._lock:
+            lists = [self._get(s) for s in seqs]
+            if not n or not batch:
+                return
+            lens = [self._lens[s] for s in seqs]
+            # In order, as appends one by one would: a partly filled last
+            # page still shared is copied (by each writer but the last
+            # holder, which then owns it alone).
+            held: dict[int, int] = {}  # shared page -> its holders left after this batch's copies
+            shared = [-1] * batch
+            needs = []
+            for i, (pages, length) in enumerate(zip(lists, lens)):
+                cow = 0
+                if length % page:
+                    last = pages[-1]
+                    refs = held.get(last, -1)
+                    if refs < 0:
+                        refs = int(self._refs[last])
+                    if refs > 1:
+                        held[last], shared[i], cow = refs - 1, last, 1
+                needs.append(-(-(length + n) // page) - len(pages) + cow)
+            total = sum(needs)
+            if total > len(self._free):
+                raise CacheFullError(
+                    f"the {batch} sequences need {total} free pages for {n} tokens each, {len(self._free)} are free"
+                )
+            taken = self._free[len(self._free) - total :][::-1]  # the pages pop() would give, in order
+            new_lists, tail = [], []  # tail: the pages written into, sequence by sequence
+            first = np.empty(batch, np.int64)  # first row written (a copied page's rows first)
+            tail_at = np.empty(batch, np.int64)  # where the sequence's pages start in tail, less its first page
+            t = 0
+            for i, (pages, length, need) in enumerate(zip(lists, lens, needs)):
+                if need:
+                    got, t = taken[t : t + need], t + need
+                    pages = pages[:-1] + got if shared[i] >= 0 else pages + got
+                new_lists.append(pages)
+                f = length - length % page if shared[i] >= 0 else length
+                first[i], tail_at[i] = f, len(tail) - f // page
+                tail.extend(pages[f // page :])
+            lens_a = np.asarray(lens, np.int64)
+            count = lens_a + n - first
+            seq_of = np.repeat(np.arange(batch), count)
+            pos = first[seq_of] + np.arange(int(count.sum())) - (np.cumsum(count) - count)[seq_of]
+            rows_p = np.asarray(tail, np.int64)[tail_at[seq_of] + pos // page]
+            rows_r = pos % page
+            k_rows = k_new.reshape((batch * n,) + tuple(k_new.shape[2:]))
+            v_rows = v_new.reshape((batch * n,) + tuple(v_new.shape[2:]))
+            if total and max(shared) >= 0:  # forks share pages only with the host mirror: numpy rows
+                copied = pos < lens_a[seq_of]  # the shared pages' rows, then the new ones
+                src = np.where(copied, 0, seq_of * n + pos - lens_a[seq_of])
+                at = self._at(np.asarray(shared, np.int64)[seq_of[copied]], rows_r[copied])
+                k_rows, v_rows = k_rows[src], v_rows[src]
+                k_rows[copied], v_rows[copied] = self.k[at], self.v[at]
+            bad = _nonfinite_flags(v_rows)
+            if self.k_dev is not None:
+                self._device_write(k_rows, v_rows, rows_p, rows_r)
+            # Commit: nothing below can fail.
+            if self.k is not None:
+                self.k[self._at(rows_p, rows_r)] = k_rows
+                self.v[self._at(rows_p, rows_r)] = v_rows
+            del self._free[len(self._free) - total :]
+            for p in shared:
+                if p >= 0:
+                    self._refs[p] -= 1
+            self._refs[taken] = 1
+            for s, pages, length in zip(seqs, new_lists, lens):
+                self._pages[s] = pages
+                self._lens[s] = length + n
+            self._record(rows_p, rows_r, bad)
+
+    def _record(self, pages, rows, bad) -> None:
+        """Marks rows (pages[i], rows[i]) as holding a non-finite V value
+        where bad[i], once bad is read (lock held).
+
+        Whether kernels without the stale-row guard may read the pool
+        depends on every V row it holds (plan.stale_rows_finite), rows of
+        freed pages included: a row keeps its mark until it is overwritten.
+        The marks of a write are computed where its rows are (on the GPU for
+        torch CUDA rows) but read back only when values_finite is next
+        needed: reading them at once made every append wait for the device,
+        which cost a decode step of a batch B model B syncs per layer.
+        Applied oldest first, the pending marks give exactly the marks that
+        eager reads would have; until then nothing claims the rows finite
+        (values_finite reads them first)."""
+        if not len(pages):
+            return
+        self._pending.append((pages, rows, bad))
+        if len(self._pending) >= MAX_PENDING_CHECKS:
+            _resolve([self])
 
     @property
     def values_finite(self) -> bool:
         """Whether every V row of the pool is finite (fmha_fwd_paged's
         kv_rows_finite): a fact about the stored rows, rows of freed pages
-        included."""
-        return not self._v_bad.any()
+        included. Reads back the checks of the appends since it was last
+        asked (one transfer)."""
+        return all_values_finite([self])
 
     def _at(self, pages, rows) -> tuple:
         """The index of rows (pages[i], rows[i]) of a pool: [n, nhead_k, dim]."""
@@ -256,11 +379,18 @@ class PagedKVCache:
         slots = np.stack([pages, rows], axis=1).astype(np.int32)
         run_append(self.session, self._append_fn, k_rows, v_rows, slots, *self._append_pools)
 
-    def _rows_arg(self, x, name: str, dim: int) -> None:
+    def _rows_arg(self, x, name: str, dim: int, batch: int | None = None) -> None:
+        """Checks rows [n, nhead_k, dim], or [batch, n, nhead_k, dim]."""
         _check_tensor_devices(self.session.device if self.session is not None else "cpu", **{name: x})
         info = rows_info(x, name)
-        if info.ndim != 3 or tuple(info.shape[1:]) != (self._heads, dim):
-            raise ValueError(f"{name} must have shape [n, {self._heads}, {dim}], got {list(info.shape)}")
+        lead = 3 if batch is None else 4
+        if (
+            info.ndim != lead
+            or tuple(info.shape[-2:]) != (self._heads, dim)
+            or (batch is not None and info.shape[0] != batch)
+        ):
+            want = f"[n, {self._heads}, {dim}]" if batch is None else f"[{batch}, n, {self._heads}, {dim}]"
+            raise ValueError(f"{name} must have shape {want}, got {list(info.shape)}")
         check_rows(info, name, info.shape, self.dtype)
 
     # -- batches -------------------------------------------------------------
@@ -319,12 +449,58 @@ class PagedKVCache:
             raise KeyError(f"no sequence {seq!r} in this cache") from None
 
 
-def _nonfinite_rows(v) -> np.ndarray:
-    """Which rows of v [n, heads, dim] (numpy or torch) hold a non-finite
-    value, as a host bool array."""
-    ops = ops_for(v)
-    bad = ops.any(~ops.isfinite(ops.f32(v)), (1, 2))
-    return bad.cpu().numpy() if hasattr(bad, "cpu") else np.asarray(bad)
+def all_values_finite(pools) -> bool:
+    """Whether every V row of every pool is finite (`values_finite` of
+    each), with all their pending checks read back in one transfer (one per
+    torch device): what a model with one pool per layer asks once per step."""
+    pools = list({id(p): p for p in pools}.values())
+    with contextlib.ExitStack() as held:
+        for p in sorted(pools, key=id):  # one order for every caller: no deadlock
+            held.enter_context(p._lock)
+        _resolve(pools)
+        return all(p._n_bad == 0 for p in pools)
+
+
+def _resolve(pools) -> None:
+    """Applies the pools' pending checks, oldest first (their locks held)."""
+    entries = [(p, e) for p in pools for e in p._pending]
+    if not entries:
+        return
+    flags = _host_flags([e[2] for _, e in entries])  # before anything is dropped: a failed read keeps them pending
+    for p in pools:
+        p._pending = []
+    for (p, (pages, rows, _)), bad in zip(entries, flags):
+        at = (pages, rows)
+        p._n_bad += int(bad.sum()) - int(p._v_bad[at].sum())  # a write's slots are distinct
+        p._v_bad[at] = bad
+
+
+def _host_flags(flags: list) -> list:
+    """The bool arrays as numpy, torch ones gathered into one host read per
+    device."""
+    out = [f if isinstance(f, np.ndarray) else None for f in flags]
+    by_device: dict = {}
+    for i, f in enumerate(flags):
+        if out[i] is None:
+            by_device.setdefault(f.device, []).append(i)
+    torch = sys.modules.get("torch")
+    for idx in by_device.values():
+        parts = [flags[i] for i in idx]
+        host = torch.cat(parts).cpu().numpy()
+        for i, chunk in zip(idx, np.split(host, np.cumsum([p.shape[0] for p in parts])[:-1])):
+            out[i] = chunk
+    return out
+
+
+def _nonfinite_flags(v):
+    """Which rows of v [n, heads, dim] hold a non-finite value: a bool
+    array beside v (numpy, or torch on v's device), not read back."""
+    if _is_torch(v):
+        t = v.detach()
+        if t.element_size() == 1:  # fp8: torch's isfinite does not take it
+            t = t.float()
+        return ~sys.modules["torch"].isfinite(t).all(-1).all(-1)
+    return ~np.isfinite(np.asarray(v).astype(np.float32, copy=False)).all(-1).all(-1)
 
 
 def _dtype(d) -> np.dtype:

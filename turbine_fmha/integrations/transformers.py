@@ -18,10 +18,22 @@ Prefill and decode steps both run the paged kernels, causal with the
 bottom-right diagonal, planned once per step and run per layer
 (`PagedAttention`).
 
+Cost of a step (the prompt forward or a decode step), whatever the batch:
+per layer, one write of the whole batch's new K/V rows
+(`PagedKVCache.append_batch`: one append-kernel call for a device pool, one
+scatter for a host pool) and one attention run; per step, one plan, made by
+the first layer that attends (its block tables built and put on the device
+once) and run by every layer, and one read back of the finiteness checks of
+every layer's new V rows (which the plan's kv_rows_finite needs; the writes
+themselves never wait for the device). Host work that grows with the batch
+is the writes' slot mapping (the sequences' page lists, a short loop) and
+the plan's tables, once per step.
+
 Pools: in host memory on a CPU session (read in place). On a GPU session,
 on its device (`PagedKVCache(session=..., host_mirror=False)`): K/V go
 from the model's tensors into the pool by the append kernel and the
-attention reads it in place; nothing crosses to the host per step.
+attention reads it in place; per step, nothing crosses to the host but
+the new V rows' finiteness flags (above).
 `PagedCache(device_pool=True)` picks that mode on a CPU session too.
 
 Scope: torch models on the session's device (the CPU, or cuda:0 for a
@@ -32,12 +44,14 @@ soft-capping, attention sinks, dropout and non-causal attention raise
 NotImplementedError rather than give wrong tokens. Beam search
 (`reorder_cache`) and `num_return_sequences` fork sequences in the pools,
 sharing their pages; a device pool takes a host mirror at its first fork
-(copy-on-write reads the shared rows from it).
+(copy-on-write reads the shared rows from it), and from then on each
+layer's write also copies its rows to the host, which waits for the device.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 
 import numpy as np
@@ -47,7 +61,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..api.attention import PagedAttention
-from ..api.cache import CacheFullError, PagedKVCache
+from ..api.cache import CacheFullError, PagedKVCache, all_values_finite
 from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
 from ..runtime.session import Session
 from ._hf_masks import NAME, left_padding, padding_mask, refuse_unsupported
@@ -140,11 +154,49 @@ class PagedCache(Cache):
 class _Planner:
     """What the layers share: one `PagedAttention` (every layer of a step
     has the same tables, so the first layer plans and the others only run),
-    the session and where the pools live, and the step's padding."""
+    the session and where the pools live, the step's padding, and the
+    layers' histories (`version`)."""
+
+    # Transitions remembered (about one per step): past this the table
+    # starts over, and a layer then gets a new version (its step plans once
+    # more; nothing is wrong, only slower).
+    MAX_VERSIONS = 1024
 
     def __init__(self, session, device_pool: bool):
         self._session, self.device_pool = session, device_pool
         self.attn = self.key = self._mask = self._offsets = self._dims = None
+        self.layers: list = []  # weak references to the cache's layers
+        self._ids = itertools.count()
+        self._next: dict = {}
+
+    def version(self, prev, op) -> int:
+        """A layer's version after `op` (a tuple of ints and strings) from
+        version `prev` (None: a fresh pool).
+
+        Every layer of the model applies the same operations to its own
+        pool (the same appends, forks, frees, growth and crops, in the same
+        order), and a PagedKVCache hands out pages deterministically, so
+        layers with equal versions have equal block tables and lengths. The
+        plan is keyed by the version, so that no layer but the one that
+        plans reads its tables (building them is Python work proportional
+        to the batch's pages). Versions are interned, never hashed: equal
+        means the same history, exactly."""
+        key = (prev, op)
+        v = self._next.get(key)
+        if v is None:
+            if len(self._next) >= self.MAX_VERSIONS:
+                self._next.clear()
+            v = self._next[key] = next(self._ids)
+        return v
+
+    def fresh(self) -> int:
+        """A version no other layer has (after a failed operation)."""
+        return next(self._ids)
+
+    def forget(self) -> None:
+        """A cache reset: the next pools start new histories."""
+        self._next.clear()
+        self.key = None
 
     def attention(self) -> PagedAttention:
         if self.attn is None:  # the shared session is made on first use
@@ -165,22 +217,19 @@ class _Planner:
     def planned(self, q, layer: PagedLayer, scale, offsets) -> PagedAttention:
         attn = self.attention()
         pool, (kc, vc) = layer.pool, layer.caches
-        bt, sk = pool.batch(layer.seqs)
-        finite = pool.values_finite
         key = (
-            bt.shape,
-            bt.tobytes(),
-            sk.tobytes(),
+            layer.version,
             None if offsets is None else offsets.tobytes(),
             tuple(q.shape),
             q.dtype,
             kc.shape,
             vc.shape,
             scale,
-            finite,
         )
         if key != self.key:
             self.key = None  # a plan that raised must not be reused
+            bt, sk = pool.batch(layer.seqs)
+            finite = self._rows_finite(sk, layer._unattended, offsets)
             # Left padding: row b's keys are its stored rows after the
             # first offsets[b] (_hf_masks).
             attn.plan(
@@ -204,6 +253,25 @@ class _Planner:
             self.key = key
         return attn
 
+    def _rows_finite(self, seqlen_k, new: int, offsets) -> bool:
+        """kv_rows_finite for every layer of the step, decided once, by the
+        layer that plans (the others may not have written their rows yet).
+
+        The kernels without the stale-row guard differ from the guarded
+        ones only where a V row that holds no key is not finite (the tail
+        of a last page, the head of a first page with left padding:
+        plan.stale_rows). The rows a step writes hold its keys, except left
+        padding the step itself writes (a padded prompt): such a step runs
+        the guarded kernels, unchecked. In any other step, every row that
+        can be stale was written before the step, and is checked here, in
+        every layer's pool at once: one read back per step
+        (all_values_finite), where reading each append's check cost a device
+        sync per sequence per layer."""
+        if offsets is not None and (offsets > seqlen_k - new).any():
+            return False
+        layers = (ref() for ref in self.layers)
+        return all_values_finite([la.pool for la in layers if la is not None and la.pool is not None])
+
 
 class PagedLayer(CacheLayerMixin):
     """One layer's K/V: a `PagedKVCache` holding one sequence per batch
@@ -219,7 +287,9 @@ class PagedLayer(CacheLayerMixin):
     def __init__(self, planner: _Planner, page_block_size: int, num_pages: int | None):
         super().__init__()
         self.planner, self.page_block_size, self.num_pages = planner, page_block_size, num_pages
+        self.is_initialized = False
         self.reset()
+        planner.layers.append(weakref.ref(self))
 
     def lazy_initialization(self, key_states, value_states) -> None:
         dtype = _torch_np_dtype(key_states.dtype)
@@ -241,11 +311,13 @@ class PagedLayer(CacheLayerMixin):
         pages = self.num_pages or batch * -(-2 * max(n, 1) // self.page_block_size)
         self._set_pool(self._new_pool(pages, nhead_k, hdim, value_states.shape[-1], dtype))
         self.seqs = [self.pool.allocate() for _ in range(batch)]
+        self.version = self.planner.version(None, ("init", pages, batch))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Appends K/V [batch, nhead_k, n, hdim] (the model's layout) to the
-        batch's sequences; returns the pools' stand-ins."""
+        batch's sequences, in one write for the whole batch; returns the
+        pools' stand-ins."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != len(self.seqs) or value_states.shape[0] != len(self.seqs):
@@ -253,30 +325,41 @@ class PagedLayer(CacheLayerMixin):
                 f"PagedCache holds {len(self.seqs)} sequences, the model passed "
                 f"{key_states.shape[0]} rows of keys and {value_states.shape[0]} of values"
             )
-        for b in range(len(self.seqs)):
-            # [nhead_k, n, hdim] -> [n, nhead_k, hdim]: a view. A device
-            # pool takes the torch tensor as it is; for a host pool only
-            # bf16 (which numpy reads through its bits) is copied.
-            k, v = key_states[b].transpose(0, 1), value_states[b].transpose(0, 1)
-            if not self.on_device:
-                k, v = _to_numpy(k, "key_states"), _to_numpy(v, "value_states")
-            self._append(b, k, v)
-        self._unattended = key_states.shape[2]
+        # [batch, nhead_k, n, hdim] -> [batch, n, nhead_k, hdim]: a view. A
+        # device pool takes the torch tensor as it is; for a host pool only
+        # bf16 (which numpy reads through its bits) is copied.
+        k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
+        if not self.on_device:
+            k, v = _to_numpy(k, "key_states"), _to_numpy(v, "value_states")
+        n = k.shape[1]
+        self._changing(lambda: self._append(k, v), ("update", n))
+        self._unattended = n
         return self.keys, self.values
 
-    def _append(self, row: int, k, v) -> None:
+    def _changing(self, change, op) -> None:
+        """Runs `change` (an operation on the sequences) and advances the
+        layer's version by `op` (_Planner.version); a change that raised
+        leaves a version no other layer has."""
         try:
-            self.pool.append(self.seqs[row], k, v)
+            change()
+        except BaseException:
+            self.version = self.planner.fresh()
+            raise
+        self.version = self.planner.version(self.version, op)
+
+    def _append(self, k, v) -> None:
+        try:
+            self.pool.append_batch(self.seqs, k, v)
         except CacheFullError:
             if self.num_pages is not None:
                 raise
             # Room for every sequence at the longest one's new length
             # (a shared last page costs one more); doubling keeps the
             # copies amortized.
-            longest = max(self.pool.seqlen(s) for s in self.seqs) + k.shape[0]
+            longest = max(self.pool.seqlen(s) for s in self.seqs) + k.shape[1]
             need = len(self.seqs) * (-(-longest // self.page_block_size) + 1)
             self._rebuild(pages=max(2 * self.caches[0].shape[0], need))
-            self.pool.append(self.seqs[row], k, v)
+            self.pool.append_batch(self.seqs, k, v)
 
     def _new_pool(self, pages: int, nhead_k: int, hdim: int, hdim_v: int, dtype) -> PagedKVCache:
         if not self.on_device:
@@ -311,12 +394,16 @@ class PagedLayer(CacheLayerMixin):
         k_all, v_all = (
             (old.k, old.v) if old.k is not None else (a.to_host().view(old.dtype) for a in (old.k_dev, old.v_dev))
         )
-        new = []
-        for s, n in zip(self.seqs, rows):
-            pos = np.arange(n)
-            at = np.asarray(old.pages(s), np.int64)[pos // self.page_block_size], pos % self.page_block_size
-            new.append(pool.allocate())
-            pool.append(new[-1], k_all[at], v_all[at])
+        new = [pool.allocate() for _ in self.seqs]
+        if rows and min(rows) == max(rows):  # as every update leaves them: one write
+            pos = np.arange(rows[0])
+            at = old.batch(self.seqs)[0][:, pos // self.page_block_size], pos % self.page_block_size
+            pool.append_batch(new, k_all[at], v_all[at])
+        else:
+            for s, seq, n in zip(self.seqs, new, rows):
+                pos = np.arange(n)
+                at = np.asarray(old.pages(s), np.int64)[pos // self.page_block_size], pos % self.page_block_size
+                pool.append(seq, k_all[at], v_all[at])
         self._set_pool(pool)
         self.seqs = new
 
@@ -348,7 +435,8 @@ class PagedLayer(CacheLayerMixin):
     def drop_unattended(self) -> None:
         """Drops the rows appended since the last attention call."""
         if self._unattended:
-            self._rebuild(keep=self.get_seq_length() - self._unattended)
+            keep = self.get_seq_length() - self._unattended
+            self._changing(lambda: self._rebuild(keep=keep), ("keep", keep))
             self._unattended = 0
 
     # -- transformers' Cache protocol ----------------------------------------
@@ -380,6 +468,9 @@ class PagedLayer(CacheLayerMixin):
         bad = [r for r in rows if not 0 <= r < len(self.seqs)]
         if bad:
             raise IndexError(f"row {bad[0]} selected, the cache holds {len(self.seqs)} sequences")
+        self._changing(lambda: self._select_rows(rows), ("select",) + tuple(rows))
+
+    def _select_rows(self, rows: list[int]) -> None:
         if len(set(rows)) == len(rows):  # a reordering or a subset: no fork needed
             for i in set(range(len(self.seqs))) - set(rows):
                 self.pool.free(self.seqs[i])
@@ -406,11 +497,15 @@ class PagedLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         # PagedKVCache cannot shorten a sequence: copy the kept rows.
-        self._rebuild(keep=max(self.get_seq_length() + tokens_to_remove, 0))
+        keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        self._changing(lambda: self._rebuild(keep=keep), ("keep", keep))
 
     def reset(self) -> None:
+        if self.is_initialized:
+            self.planner.forget()
         self.pool, self.seqs, self.caches, self.keys, self.values, self._unattended = None, [], None, None, None, 0
         self.on_device = self._mirror = self.is_initialized = False
+        self.version = None
 
     def offload(self):
         pass  # the pools stay where they are (host memory or the session's device)
