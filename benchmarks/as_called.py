@@ -72,7 +72,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import turbine_fmha  # noqa: E402
+from turbine_fmha.api.attention import _from_entries, _to_entries  # noqa: E402  (row entries, as run() places them)
 from turbine_fmha.calls.plan import combine_splits, kernel_steps, repeat_rows  # noqa: E402  (device time, as bench.py)
+from turbine_fmha.core.arrays import _Results  # noqa: E402
 
 D, PAGE = 128, 16
 BOUND = {"f16": 5e-3, "bf16": 2e-2}
@@ -376,6 +378,8 @@ class DeviceLoop:
         q = np.ascontiguousarray(as_numpy(case.q))
         self.split = plan.splits > max(1, plan.merge)  # partials merged on the host by run()
         qb = repeat_rows(q, plan.splits) if self.split else q
+        if plan.entries:  # the prefill's rows as entries of 128 (plan.row_entries)
+            qb = _to_entries(qb, plan.entries, qb.dtype, _Results(session))
         if case.device == "cuda":
             kd, vd = session.import_torch(case.k), session.import_torch(case.v)
         else:
@@ -413,12 +417,17 @@ class DeviceLoop:
         n = plan.call.batch
         if self.split:
             dst = [np.empty((n, rows, hq, dv), self.q_dtype)] + [np.empty((n, hq, rows), np.float32) for _ in range(3)]
+        elif plan.entries:
+            r = plan.call.rows
+            dst = [np.empty((n, r, hq, dv), self.q_dtype), np.empty((n, hq, r), np.float32)]
         else:
             dst = [np.empty((b, rows, hq, dv), self.q_dtype), np.empty((b, hq, rows), np.float32)]
         for st, c in zip(self.steps, self.last):
             st.place(dst, [r.to_host() for r in c.results(len(dst))])
         if self.split:
             return combine_splits(*dst, plan.splits, None)[0]
+        if plan.entries:
+            return _from_entries(dst[0], dst[1], plan.entries, rows)[0]
         return dst[0]
 
 
