@@ -15,6 +15,7 @@ import numpy as np
 from ..build.artifacts import ArtifactError
 from ..calls.modes import active_sequences, bias_rows, gappy_table, regroup
 from ..calls.plan import (
+    ENTRIES_GAIN,
     KernelCall,
     combine_splits,
     decode_splits,
@@ -229,8 +230,8 @@ class _Plan:
     def _choose_entries(self) -> None:
         """Runs the call as row entries when a built tile of several entries
         makes it cheaper in the modelled cost (plan.modelled_cost: what the
-        launches compute plus a cost per launch) than the tile select()
-        picks for it as it is."""
+        launches compute, at their rate, plus a cost per launch) by
+        ENTRIES_GAIN than the tile select() picks for it as it is."""
         alt = row_entries(self.call)
         tiles = self.session.entry_variants(self.key) if alt is not None else []
         if not tiles:
@@ -242,7 +243,7 @@ class _Plan:
             )
         except ArtifactError:  # nothing serves the call as it is: the entries do
             here = None
-        if here is None or modelled_cost(best, alt) < modelled_cost(here, self.call):
+        if here is None or modelled_cost(best, alt) <= ENTRIES_GAIN * modelled_cost(here, self.call):
             self.call, self.entries = alt, -(-self.rows // ENTRY_ROWS)
 
     def _key(self, splits: int, bias_shape: str, merged: bool = False) -> dict:

@@ -233,6 +233,13 @@ def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.nd
 # tiles of 512-4096 (docs/devlog/perf-notes.md, "Causal prefill in 1024-row
 # chunks": time ~ 0.23 ms per million elements + 0.31 ms per launch).
 PREFILL_LAUNCH_ELEMENTS = 1_400_000
+# Query rows a launch needs to run at the full rate (modelled_cost).
+FULL_LAUNCH_ROWS = 1024
+# Row entries replace a call's own tiles only where the model makes them at
+# least this much cheaper: the entries' rearrangement of q and the results
+# costs host time, and on the H200 a fresh causal prefill ran slower as
+# entries than its 1024-row tiles though the model put them level.
+ENTRIES_GAIN = 0.5
 
 
 def row_entries(c: KernelCall, rows: int = ENTRY_ROWS) -> KernelCall | None:
@@ -276,16 +283,19 @@ def row_entries(c: KernelCall, rows: int = ENTRY_ROWS) -> KernelCall | None:
     )
 
 
-def modelled_cost(variant: Variant, c: KernelCall) -> int:
+def modelled_cost(variant: Variant, c: KernelCall) -> float:
     """A call's modelled device time in score elements: what its launches
-    compute (each entry of a tile over the keys of its launch's table) plus
-    PREFILL_LAUNCH_ELEMENTS per launch (the fit behind the H200's prefill
-    tiles, runtime.selection)."""
+    compute (each entry of a tile over the keys of its launch's table), a
+    launch of fewer than FULL_LAUNCH_ROWS rows at a lower rate (it does not
+    fill the device), plus PREFILL_LAUNCH_ELEMENTS per launch. Fit to the
+    H200 (docs/devlog/perf-notes.md, "Prefill rows as entries"): a 128-row
+    launch ran its elements at about a quarter of the rate of 1024 rows."""
     steps = kernel_steps(variant, c, with_args=False)
-    elements = 0
+    elements = 0.0
     for st in steps:
         entries, rows = st.tile or (st.b1 - st.b0, st.e - st.s)
-        elements += entries * rows * st.width * variant.page_block_size
+        rate = min(1.0, entries * rows / FULL_LAUNCH_ROWS) ** (2 / 3)
+        elements += entries * rows * st.width * variant.page_block_size / rate
     return elements + len(steps) * PREFILL_LAUNCH_ELEMENTS
 
 
