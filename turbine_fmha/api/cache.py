@@ -135,8 +135,11 @@ class PagedKVCache:
             # HND pools are written as one-head pages (kv_write.one_head_slots).
             heads = 1 if kv_layout == "HND" else nhead_k
             self._append_fn = session.append_function(AppendKernel(name, heads, hdim, hdim_v or hdim, page_block_size))
-            zeros = (self.k, self.v) if mirror else (np.zeros(s, dt) for s in self._shapes)
-            self.k_dev, self.v_dev = (session.device_array(self._raw(z)) for z in zeros)
+            if mirror:
+                self.k_dev, self.v_dev = (session.device_array(self._raw(z)) for z in (self.k, self.v))
+            else:
+                raw = np.dtype(np.int8) if self._bits else dt
+                self.k_dev, self.v_dev = (session.device_zeros(s, raw) for s in self._shapes)
             self._append_pools = tuple(
                 kernel_cache(session, _Cache(a, s, dt), (num_pages * nhead_k, page_block_size, 1, d))
                 if kv_layout == "HND"

@@ -79,6 +79,20 @@ class DeviceInterop:
         usage = rt.BufferUsage.DEFAULT | rt.BufferUsage.SHARING_EXPORT
         return rt.asdevicearray(self.device_of(), array, allowed_usage=usage)
 
+    def device_zeros(self, shape: tuple, dtype: np.dtype):
+        """device_array(np.zeros(shape, dtype)), made on the device where
+        torch can: a GPU session's zeros are torch memory (one memset)
+        imported through DLPack, not host zeros copied over (a Hugging Face
+        model's pools for a 2048-token prompt took ~30 ms of its 51 ms
+        prompt forward that way on the H200). Like device_array's, the memory
+        is outside the pool that recycles the calls' buffers."""
+        torch = sys.modules.get("torch")
+        if self.target.driver == "local-task" or torch is None:
+            return self.device_array(np.zeros(shape, dtype))
+        zeros = torch.zeros(shape, dtype=_np_torch_dtype(dtype), device=self.torch_device)
+        torch_writes_done(self.torch_device)  # the memset, before IREE reads or writes the memory
+        return self.import_torch(zeros)
+
     def kernel_cache(self, c, as_bytes: bool, kept: dict | None = None):
         """A cache (an arrays._cache_array) as a kernel argument: device
         arrays as they are; host caches read in place on CPU sessions (a
