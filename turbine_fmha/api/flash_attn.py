@@ -44,40 +44,23 @@ def flash_attn_with_kvcache(
     session=None,
     device="cpu",
 ):
-    """flash-attn's `flash_attn_with_kvcache`, run by fmha_fwd_paged (with
-    block_table) or fmha_fwd_kvcache (without).
+    """flash-attn's `flash_attn_with_kvcache`, with its argument names and
+    semantics, run by fmha_fwd_paged (with block_table) or fmha_fwd_kvcache
+    (without).
 
-    Same argument names and semantics: q [batch, seqlen_q, nheads, headdim];
-    k_cache / v_cache [batch_cache, seqlen_cache, nheads_k, headdim], or
-    [num_blocks, page_block_size, nheads_k, headdim] with block_table
-    [batch, max_blocks_per_seq] (any page size here, not only multiples of
-    256); cache_seqlens an int or [batch] (default: the whole cache row, or
-    the block table's capacity); cache_batch_idx (non-paged caches only, as
-    in flash-attn); cache_leftpad [batch] (keys start there; here with
-    paged caches too); causal (bottom-right aligned); window_size (left,
-    right), -1 unbounded, bottom-right aligned; softcap (0 = off);
-    alibi_slopes [nheads] or [batch, nheads]; num_splits (0 = heuristic);
-    return_softmax_lse (LSE [batch, nheads, seqlen_q] float32). GQA/MQA as
-    in flash-attn. Returns out, or (out, softmax_lse).
+    Args, by group (docs/user-guide.md, "flash-attn conventions"):
+      arrays: q, k_cache, v_cache (non-paged rows, or pages with
+        block_table), cache_seqlens, cache_batch_idx, cache_leftpad.
+      in-call appends: k, v (written into the caches at cache_seqlens
+        first), rotary_cos, rotary_sin, rotary_interleaved.
+      scores: softmax_scale, causal, window_size, softcap, alibi_slopes.
+      run: num_splits (0: the heuristic), return_softmax_lse, session,
+        device.
 
-    Differences: a query row that sees no key has LSE -inf (flash-attn
-    returns +inf; the output is 0 in both). Conflicting arguments raise
-    instead of one silently winning: causal=True with a positive
-    window_size[1], cache_batch_idx with block_table, softcap with
-    alibi_slopes (ck_tile forbids it). `session` and `device` are as in
-    fmha_fwd_paged.
-
-    In-call appends, as in flash-attn: k, v [batch, seqlen_new, nheads_k,
-    headdim] are written into the caches in place (reshape_and_cache) at
-    positions cache_seqlens[b] + i (required with them), through
-    block_table or into cache row cache_batch_idx[b], and attention sees
-    cache_seqlens + seqlen_new keys. With rotary_cos / rotary_sin
-    [seqlen_ro, rotary_dim / 2] the new keys are rotated at their positions
-    before the write, and q at positions cache_seqlens + i when causal or
-    local (else all rows at cache_seqlens); rotary_interleaved picks
-    GPT-J's pairs (flash-attn's default) or GPT-NeoX's halves. If the
-    attention then fails, the overwritten cache rows are restored. Rotary
-    not with cache_leftpad.
+    Returns out, or (out, softmax_lse). The user guide lists where it
+    differs from flash-attn (LSE -inf for rows without keys; conflicting
+    arguments raise). A call that fails after its appends writes the
+    overwritten cache rows back.
     """
     undo = None
     if appends(k, v, rotary_cos, rotary_sin):

@@ -62,39 +62,19 @@ def reshape_and_cache(
 ):
     """Writes K/V rows into paged caches in place (vLLM's reshape_and_cache).
 
-    Args:
-      k, v: [tokens, nhead_k, hdim or hdim_v] with slot_mapping [tokens]
-        (vLLM), or [batch, seqlen_new, nhead_k, hdim or hdim_v] with
-        slot_mapping [batch, seqlen_new]; numpy or torch, the caches' dtype.
-      k_cache, v_cache: "NHD" [num_pages, page_block_size, nhead_k, hdim]
-        or "HND" [num_pages, nhead_k, page_block_size, hdim] (kv_layout;
-        v_cache with hdim_v); float16, bfloat16, float32 or fp8 (any of the
-        four formats). Written in place: on a CPU session, writeable,
-        C-contiguous, 64-byte aligned numpy arrays or CPU torch tensors
-        (turbine_fmha.aligned_zeros, or any torch allocation); on a cuda/hip
-        session, contiguous torch tensors on its GPU; or DeviceArrays of
-        the session's device.
-      slot_mapping: integers: distinct slots in [0, num_pages *
-        page_block_size), or -1 to skip the token.
-      rotary_cos, rotary_sin: [rotary_seqlen, rotary_dim / 2] float16,
-        bfloat16 or float32 (computed in float32): the new K rows are
-        rotated at their positions before the write. Not for fp8 caches.
-      rotary_dim: even, <= hdim; twice the tables' width (the default).
-      rotary_interleaved: rotate pairs (0, 1), (2, 3), ... (GPT-J) instead
-        of (i, i + rotary_dim / 2) (GPT-NeoX, the default).
-      seqlen_k: [batch] keys per sequence before this write: new token i of
-        sequence b is at position seqlen_k[b] + i. Needed with the tables.
-      seqstart: [batch + 1] with flat rows and the tables: sequence b owns
-        tokens seqstart[b]:seqstart[b+1].
-      q: [batch, seqlen_q, nhead_q, hdim], or flat [total_q, nhead_q, hdim]
-        with seqstart_q (default seqstart): rotated too and returned as a
-        new array of q's kind (needs the tables; the caches' dtype).
-      has_mask: q's row i is at seqlen_k[b] + i (a causal or local mask
-        follows), else all of sequence b's rows at seqlen_k[b] (ck_tile's
-        has_mask, flash-attn's causal-or-local rule).
-      session / device: as fmha_fwd_paged (device: the session's, or "cpu").
+    Args, by group (docs/user-guide.md, "reshape_and_cache", says what each
+    takes and which caches can be written in place):
+      rows: k, v ([tokens, nhead_k, hdim] or [batch, seqlen_new, ...]) and
+        slot_mapping (page * page_block_size + row, -1 to skip a token).
+      caches: k_cache, v_cache, kv_layout ("NHD" or "HND" pages).
+      rotary embedding: rotary_cos, rotary_sin, rotary_dim,
+        rotary_interleaved, with seqlen_k and seqstart giving each row's
+        position, and q, seqstart_q, has_mask to rotate q too.
+      run: session / device.
 
-    Returns the rotated q when q is given, else None.
+    Returns the rotated q when q is given, else None. Raises ValueError or
+    TypeError naming the argument before anything is written; values are
+    never converted.
     """
     session = resolve_session(session, getattr(session, "device", "cpu") if device is None else device)
     rot = dict(
