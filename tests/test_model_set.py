@@ -101,6 +101,11 @@ def _calls(shape: ModelShape, online: bool):
     # A sliding window without a right edge computes every block: one long
     # launch, unlike a causal prefill's chunks cut at the diagonal.
     yield 1, 4096, 4096, "bottom_right_left_window", None
+    # Chunked prefills of several sequences over long cached keys run as row
+    # entries (plan.row_entries): 16 and 32 entries of 128 rows.
+    for batch in (4, 8) if online else ():
+        for mask in masks:
+            yield batch, 512, 8704, mask, None
     # Decodes whose splits a variant merges in the module: each (tile, count)
     # filled exactly by batch x count entries.
     for tile, n in MERGED_DECODE_TILES if online else ():
