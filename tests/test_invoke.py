@@ -136,3 +136,41 @@ def test_gpu_wait_through_the_host_flag(explicit_session, rng, monkeypatch):
     for _ in range(3):
         np.testing.assert_array_equal(turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session), want)
     assert flag._timeline.query() == flag._count  # settled: no copy left in flight
+
+
+def test_gpu_wait_survives_a_failing_flag_copy(explicit_session, rng, monkeypatch):
+    """A flag copy the device refuses (a driver that lacks the transfer, a
+    lost device) is not the calls' failure: the wait falls back to their
+    fences and returns their results, and settle() does not wait on a
+    signal that was never queued (it would hang)."""
+    import turbine_fmha.runtime.invoke as invoke
+
+    prob = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[33, 17], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    want = turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session)
+    loaded = explicit_session._load(explicit_session.last_variant)
+    monkeypatch.setattr(loaded, "spin", True)
+    flag = invoke._flag(loaded.config.device)
+    before = flag._count
+    refusing = _Refusing(flag.device)
+    monkeypatch.setattr(flag, "device", refusing)
+    monkeypatch.setattr(invoke, "_flag", lambda device: flag)  # _flag would replace a flag of another device
+    for _ in range(2):
+        np.testing.assert_array_equal(turbine_fmha.fmha_fwd_paged(*prob, session=explicit_session), want)
+    assert refusing.refused == 2  # the flag path was taken, and refused
+    assert flag._count == before and flag._timeline.query() == flag._count
+
+
+class _Refusing:
+    """The device, except that queue_copy raises."""
+
+    def __init__(self, device):
+        self._device, self.refused = device, 0
+
+    def queue_copy(self, *_args):
+        self.refused += 1
+        raise RuntimeError("queue_copy refused")
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)

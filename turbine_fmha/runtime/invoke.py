@@ -188,9 +188,17 @@ class HostFlag:
         (else the caller waits on the calls themselves, as it must for a
         call that failed: the copy then never runs)."""
         self.value[0] = 0
-        self._count += 1
         waits = [(c.timeline, c.value) for c in calls]
-        self.device.queue_copy(self._one._buffer_view.get_buffer(), self.buffer, waits, [(self._timeline, self._count)])
+        try:
+            self.device.queue_copy(
+                self._one._buffer_view.get_buffer(), self.buffer, waits, [(self._timeline, self._count + 1)]
+            )
+        except Exception:
+            # The calls' own fences still tell (and raise what failed);
+            # _count stays at a value the timeline reached, so settle()
+            # cannot wait on a signal that was never queued.
+            return False
+        self._count += 1
         deadline = time.perf_counter() + SPIN_SECONDS
         while self.value[0] != 1:
             if time.perf_counter() > deadline:
