@@ -156,6 +156,8 @@ def _error_cases(tmp_path):
     (broken / "manifest.json").write_text('{"artifacts": []}')
     return [
         (["run", "--batch", "0"], "--batch"),
+        (["run", "--device", "cuda:x"], "--device"),
+        (["bench", "--device", "cpu:1"], "--device"),
         (["bench", "--seqlen-k", "5,-1", "--batch", "2"], "--seqlen-k"),
         (["run", "--seqlen-k", "5,6", "--batch", "3", "--artifacts", str(tmp_path)], "--seqlen-k"),
         (["run", "--nhead-q", "4", "--nhead-k", "3", "--artifacts", str(tmp_path)], "--nhead-q"),

@@ -122,7 +122,7 @@ class PagedAttention:
             )
         )
         _check_tensor_devices(
-            self.session.device,
+            self.session.device_name,
             block_table=block_table,
             seqlen_k=seqlen_k,
             seqstart_q=seqstart_q,
@@ -333,7 +333,7 @@ class _Plan:
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
         session = self.session
-        _check_tensor_devices(session.device, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+        _check_tensor_devices(session.device_name, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
         check_no_grad(dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out))
         like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
         if not isinstance(return_lse, bool):

@@ -384,7 +384,7 @@ class PagedKVCache:
 
     def _rows_arg(self, x, name: str, dim: int, batch: int | None = None) -> None:
         """Checks rows [n, nhead_k, dim], or [batch, n, nhead_k, dim]."""
-        _check_tensor_devices(self.session.device if self.session is not None else "cpu", **{name: x})
+        _check_tensor_devices(self.session.device_name if self.session is not None else "cpu", **{name: x})
         info = rows_info(x, name)
         lead = 3 if batch is None else 4
         if (

@@ -101,7 +101,7 @@ def fmha_fwd_paged(
         bias=bias,
         sinks=sinks,
     )
-    _check_tensor_devices(session.device if isinstance(session, Session) else device, **given, out=out)
+    _check_tensor_devices(session.device_name if isinstance(session, Session) else device, **given, out=out)
     settings = dict(
         v_layout=v_layout,
         kv_layout=kv_layout,

@@ -127,7 +127,7 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
         raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {kv_layout!r}")
     arrays = {n: rot[n] for n in ("q", "rotary_cos", "rotary_sin", "seqlen_k", "seqstart", "seqstart_q")}
     _check_tensor_devices(
-        session.device, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, **arrays
+        session.device_name, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, **arrays
     )
     kc, vc = cache_arg(k_cache, "k_cache", session), cache_arg(v_cache, "v_cache", session)
     num_pages, page, nhead_k, hdim, hdim_v = _cache_layout(kc, vc, kv_layout)

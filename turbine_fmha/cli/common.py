@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..core.devices import device_name, parse_device
 from ..core.env import ARTIFACTS as ENV_ARTIFACTS
 from ..runtime.paths import default_artifact_dir
 
@@ -41,6 +42,14 @@ def _int_at_least(text: str, minimum: int) -> int:
     if value < minimum:
         raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def device_arg(text: str) -> str:
+    """An argparse type: a device name (core/devices.py), canonical."""
+    try:
+        return device_name(*parse_device(text, "the device"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def int_list(minimum: int):

@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 
-from .common import CliError, artifact_dir, emit_json, int_list, non_negative_int, positive_int
+from ..core.devices import parse_device, torch_device_of
+from .common import CliError, artifact_dir, device_arg, emit_json, int_list, non_negative_int, positive_int
 
 # Output rel. error bounds of `run` (tests/conftest.py explains them).
 OUT_TOL = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}
@@ -32,7 +33,7 @@ def add_problem_commands(sub, artifacts_option) -> None:
 
 
 def _problem_args(sp, artifacts_option) -> None:
-    sp.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hip"])
+    sp.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda, cuda:N, hip or hip:N (default: cpu)")
     artifacts_option(sp, "; must exist unless --compile-missing is given without it")
     sp.add_argument(
         "--compile-missing",
@@ -214,11 +215,11 @@ def _torch_baseline(args, prob, repeat: int) -> tuple[float | None, str | None]:
         import torch
     except ImportError:
         return None, "torch is not installed"
-    dev = "cpu" if args.device == "cpu" else "cuda"  # ROCm torch names its GPUs cuda too
-    if dev == "cuda" and not torch.cuda.is_available():
-        return None, "torch sees no GPU"
+    dev = torch_device_of(*parse_device(args.device))  # ROCm torch names its GPUs cuda too
+    if dev != "cpu" and torch.cuda.device_count() <= torch.device(dev).index:
+        return None, f"torch sees no {dev}"
     call = torch_gather_sdpa(args, prob, dev)
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev != "cpu" else (lambda: None)
     with torch.no_grad():
         return _median_ms(lambda: (call(), sync()), repeat)[0], None
 

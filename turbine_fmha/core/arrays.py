@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from .devices import device_name, parse_device, torch_device_of
+
 
 def _bf16():
     import ml_dtypes
@@ -176,18 +178,23 @@ def _cache_array(x, name: str):
     return _to_numpy(x, name)
 
 
-def _check_tensor_devices(device: str, **arrays) -> None:
+def _check_tensor_devices(device, **arrays) -> None:
     """torch tensors must be in host memory or, for a cuda/hip session, on
-    its GPU (Session.torch_device): anything else is refused by name rather
-    than silently copied across devices."""
+    its GPU (Session.torch_device; `device` is the session's name, "cuda"
+    meaning cuda:0): anything else is refused by name rather than silently
+    copied across devices."""
+    kind, ordinal = parse_device(device)
+    gpu = None if kind == "cpu" else torch_device_of(kind, ordinal)
     for name, x in arrays.items():
         if not _is_torch(x):
             continue
         d = x.device
-        if d.type == "cpu" or (device != "cpu" and d.type == "cuda" and d.index in (None, 0)):
+        if d.type == "cpu" or (gpu is not None and d.type == "cuda" and f"cuda:{d.index or 0}" == gpu):
             continue
-        where = "host memory" if device == "cpu" else "host memory or cuda:0"
-        raise ValueError(f"{name} is a torch tensor on {d}, but the session runs on {device!r}: pass it in {where}")
+        where = "host memory" if gpu is None else f"host memory or {gpu}"
+        raise ValueError(
+            f"{name} is a torch tensor on {d}, but the session runs on {device_name(kind, ordinal)!r}: pass it in {where}"
+        )
 
 
 class _Results:

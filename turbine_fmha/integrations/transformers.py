@@ -36,8 +36,8 @@ attention reads it in place; per step, nothing crosses to the host but
 the new V rows' finiteness flags (above).
 `PagedCache(device_pool=True)` picks that mode on a CPU session too.
 
-Scope: torch models on the session's device (the CPU, or cuda:0 for a
-cuda/hip session), float32/float16/bfloat16, batches without padding or
+Scope: torch models on the session's device (the CPU, or cuda:N for a
+cuda/hip session on GPU N), float32/float16/bfloat16, batches without padding or
 left-padded (generate's `attention_mask`; `_hf_masks`). Right padding or
 holes in the mask, a custom 4D mask or mask function, sliding windows,
 soft-capping, attention sinks, dropout and non-causal attention raise

@@ -19,13 +19,14 @@ from ..core.arrays import (
     kernel_host_array,
     torch_writes_done,
 )
+from ..core.devices import torch_device_of
 
 # Host caches a plan keeps imported (two per layer of a large model).
 MAX_KEPT_IMPORTS = 512
 
 
 class DeviceInterop:
-    """Mixed into Session: needs `target`, `device_of()`."""
+    """Mixed into Session: needs `target`, `device`, `ordinal`, `device_of()`."""
 
     def import_host(self, array):
         """A DeviceArray over a C-contiguous numpy array's own memory (no
@@ -125,9 +126,8 @@ class DeviceInterop:
     @property
     def torch_device(self) -> str:
         """The torch device whose memory this session's device reads: "cpu",
-        or "cuda:0" for cuda/hip sessions (IREE opens the first visible
-        GPU, which torch calls cuda:0; ROCm torch also says "cuda")."""
-        return "cpu" if self.target.driver == "local-task" else "cuda:0"
+        or "cuda:N" for a cuda/hip session on GPU N (core/devices.py)."""
+        return torch_device_of(self.device, self.ordinal)
 
     def to_torch(self, *arrays):
         """torch tensors on this session's device with the DeviceArrays'

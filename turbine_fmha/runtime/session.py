@@ -26,6 +26,7 @@ from pathlib import Path
 from ..build.artifacts import ArtifactError
 from ..build.targets import DEVICE_DEFAULT_TARGET, Target, get_target
 from ..core import env
+from ..core.devices import device_name, parse_device
 from ..core.tracing import untraced
 from ..kernels.append_kernel import AppendKernel
 from ..kernels.signature import KERNEL_ABI
@@ -58,8 +59,12 @@ class Session(VariantSelection, DeviceInterop):
     """Loaded kernels for one device.
 
     Args:
-      device: "cpu" (llvm-cpu artifacts on the local-task driver), "cuda" or
-        "hip".
+      device: "cpu" (llvm-cpu artifacts on the local-task driver), "cuda"
+        or "hip" (the first GPU), "cuda:N" or "hip:N" (the process's N-th
+        GPU, as torch counts them), or a torch.device. `device` is then the
+        kind ("cuda") and `ordinal` the GPU's index (0 on the CPU); an
+        ordinal the machine lacks raises ValueError naming it before any
+        device work.
       artifact_dir: directory with manifest.json (default: $TURBINE_FMHA_ARTIFACTS,
         else the user cache directory: turbine_fmha.paths).
       target: artifact target to load (default per device: host, cuda, gfx942).
@@ -89,7 +94,7 @@ class Session(VariantSelection, DeviceInterop):
     @untraced
     def __init__(
         self,
-        device: str = "cpu",
+        device="cpu",
         *,
         artifact_dir: str | os.PathLike | None = None,
         target: str | None = None,
@@ -101,10 +106,12 @@ class Session(VariantSelection, DeviceInterop):
     ):
         from ..build.artifacts import parse_pins
 
-        if device not in DEVICE_DEFAULT_TARGET:
-            raise ValueError(f"device must be one of {sorted(DEVICE_DEFAULT_TARGET)}, got {device!r}")
+        device, ordinal = parse_device(device)
         self.device = device
+        self.ordinal = ordinal or 0
         self.target: Target = get_target(target or DEVICE_DEFAULT_TARGET[device])
+        if ordinal is not None and device != "cpu":
+            _check_ordinal(self.target.driver, ordinal, self.device_name)
         if formulation not in (None, "explicit", "online"):
             raise ValueError(f"formulation must be 'explicit' or 'online', got {formulation!r}")
         # The formulation to run: the target's own by default. Tests force
@@ -166,10 +173,18 @@ class Session(VariantSelection, DeviceInterop):
         left out)."""
         return [k for k in (parse_kernel(n) for n in sorted(self._index)) if isinstance(k, Variant)]
 
+    @property
+    def device_name(self) -> str:
+        """ "cpu", or "cuda:N" / "hip:N": the device this session runs on."""
+        return device_name(self.device, self.ordinal)
+
+    def __repr__(self) -> str:
+        return f"Session({self.device_name!r}, target={self.target.name!r}, artifact_dir={str(self.artifact_dir)!r})"
+
     def _iree_config(self):
         with self._lock:
             if self._config is None:
-                self._config = _shared_config(self.target.driver)
+                self._config = _shared_config(self.target.driver, self.ordinal, self.device_name)
             return self._config
 
     def _load(self, variant: Variant) -> _Loaded:
@@ -220,7 +235,7 @@ class Session(VariantSelection, DeviceInterop):
 
         path, data = verify_artifact(Path(entry["_dir"]), entry, runtime_version())
         config = self._iree_config()
-        key = (self.target.driver, entry.get("sha256"))
+        key = (self.target.driver, self.ordinal, entry.get("sha256"))
         with _SHARED_LOCK:
             vm_module = _MODULES.get(key)
             if vm_module is None:
@@ -334,20 +349,44 @@ def cpu_threads() -> int:
 DEFAULT_COMPUTE_UNITS = {"cuda": 132, "hip": 304}
 
 
-# One IREE device per driver and one loaded module per artifact (by sha256)
-# for the whole process: sessions share them, so a second session on the
-# same GPU neither opens another device nor loads a kernel twice.
+# One IREE device per driver and ordinal, and one loaded module per artifact
+# (by sha256) on each, for the whole process: sessions share them, so a
+# second session on the same GPU neither opens another device nor loads a
+# kernel twice.
 _SHARED_LOCK = threading.Lock()
 # Every live Session by id(), held weakly: what the torch ops' session
 # handles name (torch_ops.session_handle).
 LIVE_SESSIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_CONFIGS: dict[str, object] = {}
+_CONFIGS: dict[tuple, object] = {}
 _MODULES: dict[tuple, object] = {}
 
 
-def _shared_config(driver: str):
+def _driver_devices(driver: str) -> list | None:
+    """The devices IREE's `driver` sees, or None where the driver cannot
+    be opened (no GPU runtime on this machine: the device's opening says
+    so)."""
+    import iree.runtime as rt
+
+    try:
+        return list(rt.get_driver(driver).query_available_devices())
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _check_ordinal(driver: str, ordinal: int, name: str) -> None:
+    devices = _driver_devices(driver)
+    if devices is not None and ordinal >= len(devices):
+        kind = name.split(":")[0]
+        seen = {0: "none", 1: f"{kind}:0"}.get(len(devices), f"{kind}:0 to {kind}:{len(devices) - 1}")
+        raise ValueError(
+            f"device {name!r}: IREE's {driver} driver sees {len(devices)} device(s) ({seen}); "
+            "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES renumber them from 0"
+        )
+
+
+def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
     with _SHARED_LOCK:
-        config = _CONFIGS.get(driver)
+        config = _CONFIGS.get((driver, ordinal))
         if config is None:
             import iree.runtime as rt
 
@@ -366,16 +405,20 @@ def _shared_config(driver: str):
                 hal_driver = rt.get_driver(driver)
             except (RuntimeError, ValueError) as e:
                 raise RuntimeError(f"cannot open IREE's {driver} driver: {e}") from e
-            if specs:
-                try:
-                    device = hal_driver.create_device_by_uri(driver, allocators=specs)
-                except (RuntimeError, ValueError) as e:
-                    raise RuntimeError(
-                        f"cannot create the {driver} device with allocators {specs} (${env.CUDA_ALLOCATORS}): {e}"
-                    ) from e
-                config = _CONFIGS[driver] = rt.Config(device=device)
+            if driver == "local-task":
+                config = rt.Config(driver)
             else:
-                config = _CONFIGS[driver] = rt.Config(driver)
+                _check_ordinal(driver, ordinal, name)
+                # "cuda://N" / "hip://N": the N-th device the GPU runtime
+                # enumerates (cuDeviceGet / hipDeviceGet), torch's cuda:N.
+                uri = f"{driver}://{ordinal}"
+                try:
+                    device = hal_driver.create_device_by_uri(uri, allocators=specs or None)
+                except (RuntimeError, ValueError) as e:
+                    with_specs = f" with allocators {specs} (${env.CUDA_ALLOCATORS})" if specs else ""
+                    raise RuntimeError(f"cannot create the {driver} device {name!r}{with_specs}: {e}") from e
+                config = rt.Config(device=device)
+            _CONFIGS[(driver, ordinal)] = config
         return config
 
 
@@ -383,25 +426,28 @@ _DEFAULT_SESSIONS: dict[str, Session] = {}
 _DEFAULT_LOCK = threading.Lock()
 
 
-def default_session(device: str) -> Session:
+def default_session(device) -> Session:
+    """The process-wide session of a device ("cuda" and "cuda:0" are one)."""
+    name = device_name(*parse_device(device))
     with _DEFAULT_LOCK:
-        s = _DEFAULT_SESSIONS.get(device)
+        s = _DEFAULT_SESSIONS.get(name)
         if s is None:
-            s = Session(device, compile_missing=default_compile_missing())
-            _DEFAULT_SESSIONS[device] = s
+            s = Session(name, compile_missing=default_compile_missing())
+            _DEFAULT_SESSIONS[name] = s
         return s
 
 
-DEVICES = ("cpu", "cuda", "hip")
-
-
-def resolve_session(session, device: str) -> Session:
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+def resolve_session(session, device) -> Session:
+    """`session`, checked against the call's `device` (a kind alone, such
+    as "cuda", matches a session on any of its GPUs), or the default
+    session of `device`."""
+    kind, ordinal = parse_device(device)
     if session is None:
         return default_session(device)
     if not isinstance(session, Session):
         raise TypeError(f"session must be a turbine_fmha.Session, got {type(session).__name__}")
-    if session.device != device:
-        raise ValueError(f"session is for device {session.device!r}, call asked for {device!r}")
+    if session.device != kind or (ordinal is not None and ordinal != session.ordinal):
+        raise ValueError(
+            f"session is for device {session.device_name!r}, call asked for {device_name(kind, ordinal)!r}"
+        )
     return session
