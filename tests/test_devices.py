@@ -90,7 +90,7 @@ def test_each_gpu_is_its_own_device(two_gpus):
     assert (s0.torch_device, s1.torch_device, again.torch_device) == ("cuda:0", "cuda:1", "cuda:0")
     assert repr(s1).startswith("Session('cuda:1', target='cuda'")
     assert s0.device_of() is not s1.device_of() and again.device_of() is s0.device_of()
-    assert two_gpus.opened == ["cuda://0", "cuda://1"]
+    assert two_gpus.opened == ["cuda", "cuda://1"]  # GPU 0: the driver's default device
 
 
 def test_an_ordinal_the_machine_lacks_is_refused_by_name(two_gpus):

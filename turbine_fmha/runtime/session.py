@@ -411,7 +411,9 @@ def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
                 _check_ordinal(driver, ordinal, name)
                 # "cuda://N" / "hip://N": the N-th device the GPU runtime
                 # enumerates (cuDeviceGet / hipDeviceGet), torch's cuda:N.
-                uri = f"{driver}://{ordinal}"
+                # GPU 0 keeps the bare driver name (its default device, the
+                # same GPU), the URI every H200 measurement so far opened.
+                uri = f"{driver}://{ordinal}" if ordinal else driver
                 try:
                     device = hal_driver.create_device_by_uri(uri, allocators=specs or None)
                 except (RuntimeError, ValueError) as e:
