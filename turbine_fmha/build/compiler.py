@@ -59,8 +59,9 @@ class _Compilers:
             # either before the cancel (and is terminated) or not at all.
             if self.cancelled:
                 raise Cancelled()
-            proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             self._procs.add(proc)
         try:
             stdout, stderr = proc.communicate()
@@ -87,8 +88,9 @@ class _Compilers:
                 p.kill()
 
 
-def _run_compile(compilers: _Compilers, cwd: Path, source: str, target: Target, extra: list[str],
-                 out: Path) -> tuple[float, str]:
+def _run_compile(
+    compilers: _Compilers, cwd: Path, source: str, target: Target, extra: list[str], out: Path
+) -> tuple[float, str]:
     # `source` and any path in `extra` are relative to `cwd`: IREE records
     # the paths it is given (source locations, dumped files) in the vmfb.
     cmd = [iree_compile_path(), source, *target.flags, *extra, "-o", str(out)]
@@ -101,8 +103,9 @@ def _run_compile(compilers: _Compilers, cwd: Path, source: str, target: Target, 
     return seconds, proc.stderr
 
 
-def _compile_one(mlir: str, name: str, partial: Path, target: Target,
-                 compilers: _Compilers | None = None) -> tuple[float, dict, str]:
+def _compile_one(
+    mlir: str, name: str, partial: Path, target: Target, compilers: _Compilers | None = None
+) -> tuple[float, dict, str]:
     """Compiles `mlir` into `partial` (an absolute path; IREE does not record
     the output's path). Returns (seconds, ISA report, stderr)."""
     compilers = compilers or _Compilers()
@@ -121,7 +124,10 @@ def _compile_one(mlir: str, name: str, partial: Path, target: Target,
             # configuration substituted in pass 2 (turbine_fmha.tuning).
             (tmp / "edited").mkdir()
             seconds, _ = _run_compile(
-                compilers, tmp, source, target,
+                compilers,
+                tmp,
+                source,
+                target,
                 ["--compile-to=executable-configurations", "--iree-hal-dump-executable-configurations-to=configs"],
                 tmp / "configured.mlir",
             )

@@ -7,8 +7,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..kernels.variants import FORMULATIONS, GPU_DECODE_TILE, GPU_DECODE_TILES, GPU_ENTRY_TILES, GPU_PREFILL_TILE, GPU_PREFILL_TILES, MASKS, MERGED_DECODE_TILES, Variant, group_rows_for, online_unsupported, online_variant
 from ..kernels.append_kernel import AppendKernel
+from ..kernels.variants import (
+    FORMULATIONS,
+    GPU_DECODE_TILE,
+    GPU_DECODE_TILES,
+    GPU_ENTRY_TILES,
+    GPU_PREFILL_TILE,
+    GPU_PREFILL_TILES,
+    MASKS,
+    MERGED_DECODE_TILES,
+    Variant,
+    group_rows_for,
+    online_unsupported,
+    online_variant,
+)
 
 # Model head configurations in the default set: GQA 32/8 (Llama-3-8B style),
 # and MHA 8/8 for small services.
@@ -38,8 +51,10 @@ FEATURES = (
 def _feature_variants(dtype, page, mask, tiles=None) -> list[Variant]:
     """Each of FEATURES for GQA 32/8, hdim 128: explicit variants, or online
     ones with `tiles` (batch tile, query rows)."""
-    out = [Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks)
-           for bias, shape, softcap, sinks in FEATURES]
+    out = [
+        Variant(dtype, 128, 128, 32, 8, page, mask, bias, shape, softcap, sinks)
+        for bias, shape, softcap, sinks in FEATURES
+    ]
     return [online_variant(v.problem, *tiles) for v in out] if tiles else out
 
 
@@ -53,7 +68,9 @@ def host_default_set() -> list[Variant]:
     with the causal masks; column-major V; fp8 (e4m3) KV caches
     and fp8 (e4m3) static quantization.
     """
-    out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES)
+    out = plain_variants(
+        "explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES
+    )
     out += any_heads_variants(("f16", "bf16", "f32"), DEFAULT_PAGES)
     out += head_major(any_heads_variants(("f16", "bf16", "f32"), (16,)))
     for dtype in ("f16", "bf16"):
@@ -71,9 +88,7 @@ def _static_quant_variants() -> list[Variant]:
     # e4m3 is the inference format (e5m2 is built on request); explicit
     # formulation on every target (online_unsupported).
     return [
-        Variant(f8, 128, 128, 32, 8, 16, mask)
-        for f8 in ("f8e4m3fn", "f8e4m3fnuz")
-        for mask in ("none", "bottom_right")
+        Variant(f8, 128, 128, 32, 8, 16, mask) for f8 in ("f8e4m3fn", "f8e4m3fnuz") for mask in ("none", "bottom_right")
     ]
 
 
@@ -139,9 +154,15 @@ def _any_group_gpu_defaults() -> list[Variant]:
     # prefill tiles: the GPU set's compile time stays within CI's.
     # The same over HND pages, whose rows stay hdim apart whatever the head
     # count: there run-time heads cost nothing (docs/devlog/perf-notes.md).
-    out = [v for dtype in ("f16", "bf16")
-           for v in any_group_online_variants(Variant(dtype, 128, 128, 0, 0, 16).problem, GPU_PREFILL_TILES[:2] + GPU_ENTRY_TILES,
-                                              [(t, n) for t, n in MERGED_DECODE_TILES if t == 128])]
+    out = [
+        v
+        for dtype in ("f16", "bf16")
+        for v in any_group_online_variants(
+            Variant(dtype, 128, 128, 0, 0, 16).problem,
+            GPU_PREFILL_TILES[:2] + GPU_ENTRY_TILES,
+            [(t, n) for t, n in MERGED_DECODE_TILES if t == 128],
+        )
+    ]
     return out + head_major(out)
 
 
@@ -159,8 +180,11 @@ def without_v_guard(variants: list[Variant]) -> list[Variant]:
     """Each online variant of a row-major fp16/bf16/f32 cache again without
     the V guard: the runtime's choice when the stale V rows are finite
     (Variant.v_guard)."""
-    return [dataclasses.replace(v, v_guard=False) for v in variants
-            if v.formulation == "online" and v.v_layout == "row" and not v.kv_dtype]
+    return [
+        dataclasses.replace(v, v_guard=False)
+        for v in variants
+        if v.formulation == "online" and v.v_layout == "row" and not v.kv_dtype
+    ]
 
 
 def plain_variants(formulation: str, dtypes, hdims, heads, pages) -> list[Variant]:
@@ -209,7 +233,12 @@ def default_append_kernels(gpu: bool) -> list[AppendKernel]:
     """Append kernels for the default sets' cache shapes."""
     if gpu:
         return [AppendKernel(dt, 8, 128, 128, page) for dt in ("f16", "bf16", "i8") for page in (16, 64)]
-    return [AppendKernel(dt, 8, hd, hd, page) for dt in ("f16", "bf16", "f32") for hd in DEFAULT_HDIMS for page in DEFAULT_PAGES]
+    return [
+        AppendKernel(dt, 8, hd, hd, page)
+        for dt in ("f16", "bf16", "f32")
+        for hd in DEFAULT_HDIMS
+        for page in DEFAULT_PAGES
+    ]
 
 
 def check_set(variants: list[Variant]) -> list[Variant]:
@@ -229,13 +258,30 @@ def check_set(variants: list[Variant]) -> list[Variant]:
 
     def values(v: Variant) -> set:
         heads = "exact" if not v.runtime_heads else ("group" if v.group else "any")
-        fields = dict(formulation=v.formulation, dtype=v.dtype, kv_dtype=v.kv_dtype, hdims=(v.hdim_q, v.hdim_v),
-                      page=v.page_block_size, mask=v.mask, bias=(v.bias, v.bias_shape), softcap=v.softcap,
-                      sinks=v.sinks, kv_layout=v.kv_layout, v_layout=v.v_layout, v_guard=v.v_guard, heads=heads,
-                      family=family(v), batch_tile=v.batch_tile, seqlen_q_tile=v.seqlen_q_tile,
-                      merge_splits=v.merge_splits, group_rows=v.group_rows,
-                      dtype_family=(v.dtype, family(v)), hdims_family=((v.hdim_q, v.hdim_v), family(v)),
-                      guard_family=(v.v_guard, family(v)), layout_heads=(v.kv_layout, heads, family(v)))
+        fields = dict(
+            formulation=v.formulation,
+            dtype=v.dtype,
+            kv_dtype=v.kv_dtype,
+            hdims=(v.hdim_q, v.hdim_v),
+            page=v.page_block_size,
+            mask=v.mask,
+            bias=(v.bias, v.bias_shape),
+            softcap=v.softcap,
+            sinks=v.sinks,
+            kv_layout=v.kv_layout,
+            v_layout=v.v_layout,
+            v_guard=v.v_guard,
+            heads=heads,
+            family=family(v),
+            batch_tile=v.batch_tile,
+            seqlen_q_tile=v.seqlen_q_tile,
+            merge_splits=v.merge_splits,
+            group_rows=v.group_rows,
+            dtype_family=(v.dtype, family(v)),
+            hdims_family=((v.hdim_q, v.hdim_v), family(v)),
+            guard_family=(v.v_guard, family(v)),
+            layout_heads=(v.kv_layout, heads, family(v)),
+        )
         return set(fields.items())
 
     wanted = set().union(*map(values, variants)) if variants else set()

@@ -14,10 +14,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .targets import Target, get_target
-from ..kernels.variants import KV_LAYOUTS, Variant
 from ..kernels.append_kernel import AppendKernel
+from ..kernels.variants import KV_LAYOUTS, Variant
 from .default_sets import plain_variants, without_v_guard
+from .targets import Target, get_target
 
 # torch_dtype names in HF configs -> variant dtypes.
 HF_DTYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32"}
@@ -61,8 +61,10 @@ def model_variants(shape: ModelShape, target: Target | str) -> list[Variant | Ap
     (one-head ones for HND pages, which they write as one-head pages)."""
     target = get_target(target) if isinstance(target, str) else target
     hdims, heads = ((shape.hdim_q, shape.hdim_v),), ((shape.nhead_q, shape.nhead_k),)
-    variants = [dataclasses.replace(v, kv_layout=shape.kv_layout)
-                for v in plain_variants(target.formulation, (shape.dtype,), hdims, heads, shape.pages)]
+    variants = [
+        dataclasses.replace(v, kv_layout=shape.kv_layout)
+        for v in plain_variants(target.formulation, (shape.dtype,), hdims, heads, shape.pages)
+    ]
     heads_k = 1 if shape.kv_layout == "HND" else shape.nhead_k
     appends = [AppendKernel(shape.dtype, heads_k, shape.hdim_q, shape.hdim_v, page) for page in shape.pages]
     return variants + without_v_guard(variants) + appends
@@ -106,8 +108,10 @@ def shape_from_config(config: dict, *, source: str = "config", **overrides) -> M
     if hdim is None:
         hidden = key("hidden_size")
         if hidden is None or hidden % nhead_q:
-            raise ValueError(f"{source}: head_dim is missing and hidden_size ({hidden}) is not a multiple of "
-                             f"num_attention_heads ({nhead_q})")
+            raise ValueError(
+                f"{source}: head_dim is missing and hidden_size ({hidden}) is not a multiple of "
+                f"num_attention_heads ({nhead_q})"
+            )
         hdim = hidden // nhead_q
     dtype = given.get("dtype")
     if dtype is None:
@@ -115,7 +119,12 @@ def shape_from_config(config: dict, *, source: str = "config", **overrides) -> M
         if name not in HF_DTYPES:
             raise ValueError(f"{source}: torch_dtype {name!r} is not one of {sorted(HF_DTYPES)}; give the dtype")
         dtype = HF_DTYPES[name]
-    return ModelShape(nhead_q=nhead_q, nhead_k=given.get("nhead_k") or key("num_key_value_heads") or nhead_q,
-                      hdim_q=hdim, hdim_v=given.get("hdim_v") or hdim, dtype=dtype,
-                      pages=tuple(given.get("pages") or DEFAULT_MODEL_PAGES),
-                      kv_layout=given.get("kv_layout") or "NHD")
+    return ModelShape(
+        nhead_q=nhead_q,
+        nhead_k=given.get("nhead_k") or key("num_key_value_heads") or nhead_q,
+        hdim_q=hdim,
+        hdim_v=given.get("hdim_v") or hdim,
+        dtype=dtype,
+        pages=tuple(given.get("pages") or DEFAULT_MODEL_PAGES),
+        kv_layout=given.get("kv_layout") or "NHD",
+    )
