@@ -193,6 +193,21 @@ def test_gpu_default_set_compiles(target):
     assert not any(problems.values()), {n: p for n, p in problems.items() if p}
 
 
+def test_aarch64_default_set_compiles():
+    """No ARM machine here: compile-only. The host set's distinct kernels
+    (check_set) and its append kernels compile for the portable aarch64
+    target with no `error:`, each artifact holding an AArch64 ELF."""
+    out = CACHE / "aarch64-default"
+    kernels = check_set(host_default_set()) + default_append_kernels(gpu=False)
+    tfb.build(out, ["aarch64"], kernels)
+    m = json.loads((out / "manifest.json").read_text())
+    entries = {a["variant"]: a for a in m["artifacts"] if a["target"] == "aarch64"}
+    assert {k.name for k in kernels} <= set(entries)
+    for k in kernels:
+        blob = (out / entries[k.name]["path"]).read_bytes()
+        assert b"embedded_elf_arm_64" in blob, k.name  # the executable's format, in the vmfb's archive
+
+
 def test_check_set_covers_every_field_of_the_default_sets():
     """Every value each field takes in a default set is in its check set,
     for the GPU and the host sets."""

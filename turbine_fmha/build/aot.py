@@ -40,13 +40,14 @@ import sys
 import time
 from pathlib import Path
 
+from ..core import cpu as host_cpu
+from ..kernels.append_kernel import AppendKernel
+from ..kernels.signature import KERNEL_ABI
+from ..kernels.variants import Variant, target_unsupported
 from .artifacts import MANIFEST, MANIFEST_VERSION, read_manifest
 from .compiler import Cancelled, _compile_one, _Compilers, compiler_version, source_hash
-from .targets import Target, get_target
-from ..kernels.signature import KERNEL_ABI
-from ..kernels.append_kernel import AppendKernel
-from ..kernels.variants import Variant, target_unsupported
 from .default_sets import default_append_kernels, gpu_default_set, host_default_set
+from .targets import Target, get_target
 
 LOCK = ".lock"
 # What compiling needs beyond the runtime: the `build` extra of pyproject.toml.
@@ -76,8 +77,9 @@ def require_build_extra(what: str = "building artifacts") -> None:
     import deep inside the build would be all the caller sees."""
     missing = missing_build_modules()
     if missing:
-        raise ModuleNotFoundError(f"{what} needs the build extra ({', '.join(missing)} not installed): "
-                                  f"{BUILD_EXTRA}", name=missing[0])
+        raise ModuleNotFoundError(
+            f"{what} needs the build extra ({', '.join(missing)} not installed): {BUILD_EXTRA}", name=missing[0]
+        )
 
 
 def default_variants(target: Target) -> list[Variant | AppendKernel]:
@@ -189,8 +191,10 @@ def _record(out: Path, entry: dict, partial: Path, version: str) -> None:
         # lock, since renames into these names happen only under it.
         tdir = out / entry["target"]
         for f in tdir.glob(f"{entry['variant']}.*.vmfb"):
-            if re.fullmatch(re.escape(entry["variant"]) + r"\.[0-9a-f]{16}\.vmfb", f.name) \
-                    and f"{entry['target']}/{f.name}" not in listed:
+            if (
+                re.fullmatch(re.escape(entry["variant"]) + r"\.[0-9a-f]{16}\.vmfb", f.name)
+                and f"{entry['target']}/{f.name}" not in listed
+            ):
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
 
@@ -275,9 +279,18 @@ class _Builder:
 
     def _unchanged(self, v, target, shash: str) -> dict | None:
         prev = self.by_key.get((target.name, v.name))
-        if (not self.force and prev is not None and prev.get("source_sha256") == shash
-                and prev.get("kernel_abi") == KERNEL_ABI and (self.out / prev["path"]).is_file()
-                and sha256_file(self.out / prev["path"]) == prev.get("sha256")):
+        # A host artifact built on another CPU (a directory copied over) is
+        # rebuilt for this one; entries of older builds record no CPU.
+        if prev is not None and "cpu_arch" in prev and _cpu_fields(target) != _cpu_fields_of(prev):
+            prev = None
+        if (
+            not self.force
+            and prev is not None
+            and prev.get("source_sha256") == shash
+            and prev.get("kernel_abi") == KERNEL_ABI
+            and (self.out / prev["path"]).is_file()
+            and sha256_file(self.out / prev["path"]) == prev.get("sha256")
+        ):
             return prev
         return None
 
@@ -323,7 +336,24 @@ class _Builder:
             "flags": list(target.flags),
             "compile_seconds": round(seconds, 3),
             "isa": report,
+            **_cpu_fields(target),
         }
+
+
+def _cpu_fields(target: Target) -> dict:
+    """What a CPU needs to run `target`'s artifacts: the target's own
+    requirements, or for `host` the build machine's architecture and ISA
+    features (LLVM's "host" CPU uses all of them)."""
+    if target.kind != "cpu":
+        return {}
+    if target.cpu_arch is not None:
+        return {"cpu_arch": target.cpu_arch, "cpu_requires": sorted(target.cpu_requires)}
+    cpu = host_cpu.this_cpu()
+    return {"cpu_arch": cpu.arch, "cpu_requires": sorted(cpu.features)}
+
+
+def _cpu_fields_of(entry: dict) -> dict:
+    return {k: entry[k] for k in ("cpu_arch", "cpu_requires") if k in entry}
 
 
 def _run_all(builder: _Builder, plan, jobs: int, progress) -> list[BuildResult]:

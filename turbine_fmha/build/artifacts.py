@@ -47,8 +47,15 @@ class Manifest:
 
 
 # JSON's names for Python's types; bool before int (a bool is an int).
-_JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
-               (list, "array"), (dict, "object"))
+_JSON_TYPES = (
+    (type(None), "null"),
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
 
 
 def _json_type(value) -> str:
@@ -82,6 +89,9 @@ _ENTRY_FIELDS = {
     "flags": ("array", False),
     "compile_seconds": ("number", False),
     "isa": ("object", False),
+    # CPU targets: what a CPU needs to run the artifact (core/cpu.py).
+    "cpu_arch": ("string", False),
+    "cpu_requires": ("array", False),
 }
 
 
@@ -105,8 +115,11 @@ def validate(data, path: Path) -> None:
     if not _is(version, "integer"):
         bad("manifest_version", f"expected an integer, got {_json_type(version)}")
     if version != MANIFEST_VERSION:
-        bad("manifest_version", f"{version} is not supported (this turbine-fmha reads version {MANIFEST_VERSION}); "
-            "rebuild the artifacts with this release")
+        bad(
+            "manifest_version",
+            f"{version} is not supported (this turbine-fmha reads version {MANIFEST_VERSION}); "
+            "rebuild the artifacts with this release",
+        )
     if "compiler_version" in data and not _is(data["compiler_version"], "string"):
         bad("compiler_version", f"expected a string, got {_json_type(data['compiler_version'])}")
     if "artifacts" not in data:
@@ -125,7 +138,10 @@ def validate(data, path: Path) -> None:
                     bad(f"{where}.{name}", "missing")
                 continue
             if not _is(a[name], kind):
-                bad(f"{where}.{name}", f"expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {_json_type(a[name])}")
+                bad(
+                    f"{where}.{name}",
+                    f"expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {_json_type(a[name])}",
+                )
         if not _relative_inside(a["path"]):
             bad(f"{where}.path", f"{a['path']!r} escapes the artifact directory (must be a relative path inside it)")
         if not _HEX64.fullmatch(a["sha256"]):

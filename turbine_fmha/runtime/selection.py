@@ -45,7 +45,12 @@ class VariantSelection:
 
     def build_hint(self, name: str) -> str:
         """How to get the missing artifact `name`, for error messages."""
-        return (
+        foreign = "".join(
+            f"{directory} holds {self.target.name} artifacts built for a CPU with what this one lacks "
+            f"({', '.join(lacks)}), which are not loaded. "
+            for directory, lacks in getattr(self, "_foreign", {}).items()
+        )
+        return foreign + (
             f"Build it with:\n  turbine-fmha build --targets {self.target.name} "
             f"--artifacts {self.artifact_dir} --variants {name}\n"
             f"or create the Session with compile_missing=True (either needs the build extra: "

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..build.artifacts import ArtifactError
-from ..build.targets import DEVICE_DEFAULT_TARGET, Target, get_target
+from ..build.targets import CPU_TARGET_PREFERENCE, DEVICE_DEFAULT_TARGET, Target, get_target
+from ..core import cpu as host_cpu
 from ..core import env
 from ..core.devices import device_name, parse_device
 from ..core.tracing import untraced
@@ -67,7 +68,10 @@ class Session(VariantSelection, DeviceInterop):
         device work.
       artifact_dir: directory with manifest.json (default: $TURBINE_FMHA_ARTIFACTS,
         else the user cache directory: turbine_fmha.paths).
-      target: artifact target to load (default per device: host, cuda, gfx942).
+      target: artifact target to load (default: cuda, gfx942; on the CPU the
+        first of build.targets.CPU_TARGET_PREFERENCE the directories hold
+        and this CPU can run, else host). A CPU target this CPU cannot run
+        raises ValueError; a directory of only such artifacts ArtifactError.
       compile_missing: when a variant has no artifact, compile it into
         `cache_dir` (needs iree-base-compiler and iree-turbine) instead of
         raising. Off by default: services should ship prebuilt artifacts.
@@ -109,14 +113,21 @@ class Session(VariantSelection, DeviceInterop):
         device, ordinal = parse_device(device)
         self.device = device
         self.ordinal = ordinal or 0
-        self.target: Target = get_target(target or DEVICE_DEFAULT_TARGET[device])
+        # A CPU session without a target takes the best its directories
+        # hold for this CPU (_cpu_target, once they are read).
+        chosen = get_target(target) if target is not None else None
+        if chosen is None and device != "cpu":
+            chosen = get_target(DEVICE_DEFAULT_TARGET[device])
+        if chosen is not None and chosen.kind == "cpu":
+            lacks = host_cpu.this_cpu().lacks(chosen.cpu_arch, chosen.cpu_requires)
+            if lacks:
+                raise ValueError(
+                    f"target {chosen.name!r} needs what this CPU ({host_cpu.this_cpu().arch}) lacks: {', '.join(lacks)}"
+                )
         if ordinal is not None and device != "cpu":
-            _check_ordinal(self.target.driver, ordinal, self.device_name)
+            _check_ordinal(chosen.driver, ordinal, self.device_name)
         if formulation not in (None, "explicit", "online"):
             raise ValueError(f"formulation must be 'explicit' or 'online', got {formulation!r}")
-        # The formulation to run: the target's own by default. Tests force
-        # "online" on the CPU to execute the GPU kernels' formulation.
-        self.formulation = formulation or self.target.formulation
         self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
         self.compile_missing = compile_missing
         if compute_units is not None and (
@@ -150,20 +161,38 @@ class Session(VariantSelection, DeviceInterop):
                 "manifest_sha256 cannot be combined with compile_missing: variants compiled "
                 "into cache_dir would load outside the pinned manifest"
             )
-        self._read_manifest(self.artifact_dir, pins)
+        from ..build.artifacts import read_manifest
+
+        manifests = [(self.artifact_dir, read_manifest(self.artifact_dir, pins=pins))]
         if compile_missing:
-            self._read_manifest(self.cache_dir)
+            manifests.append((self.cache_dir, read_manifest(self.cache_dir)))
+        self.target: Target = chosen or _cpu_target(manifests, compile_missing)
+        # The formulation to run: the target's own by default. Tests force
+        # "online" on the CPU to execute the GPU kernels' formulation.
+        self.formulation = formulation or self.target.formulation
+        # Entries of this target that this CPU cannot run, by directory:
+        # what build_hint names.
+        self._foreign: dict[str, list[str]] = {}
+        for directory, manifest in manifests:
+            self._index_manifest(directory, manifest)
 
     # -- manifest and loading ---------------------------------------------
 
-    def _read_manifest(self, directory: Path, pins: frozenset[str] | None = None) -> None:
-        from ..build.artifacts import entries_for, read_manifest
+    def _read_manifest(self, directory: Path) -> None:
+        from ..build.artifacts import read_manifest
 
-        manifest = read_manifest(directory, pins=pins)
+        self._index_manifest(directory, read_manifest(directory))
+
+    def _index_manifest(self, directory: Path, manifest) -> None:
+        from ..build.artifacts import entries_for
+
         if manifest is None:
             return
         for variant, a in entries_for(manifest, self.target.name, KERNEL_ABI, parse_kernel):
-            if a["variant"] not in self._index:
+            lacks = _cpu_lacks(self.target, a)
+            if lacks:
+                self._foreign.setdefault(str(directory), lacks)
+            elif a["variant"] not in self._index:
                 self._index[a["variant"]] = dict(a, _dir=str(directory))
                 if isinstance(variant, Variant):
                     self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
@@ -422,6 +451,45 @@ def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
                 config = rt.Config(device=device)
             _CONFIGS[(driver, ordinal)] = config
         return config
+
+
+def _cpu_lacks(target: Target, entry: dict) -> list[str]:
+    """What this CPU lacks to run a CPU artifact (core/cpu.py): the entry
+    records it (host artifacts: the build machine's features); entries of
+    builds before the record are the host's own, as they always were."""
+    if target.kind != "cpu" or ("cpu_arch" not in entry and target.cpu_arch is None):
+        return []
+    return host_cpu.this_cpu().lacks(
+        entry.get("cpu_arch", target.cpu_arch), entry.get("cpu_requires", target.cpu_requires)
+    )
+
+
+def _cpu_target(manifests, compile_missing: bool) -> Target:
+    """The first of CPU_TARGET_PREFERENCE with an artifact this CPU can run
+    in the session's directories; `host` where there is none, unless the
+    directories hold only CPU artifacts this CPU cannot run (and nothing
+    may be compiled): that is an ArtifactError saying why, here, rather
+    than "no artifact" at every call."""
+    from ..build.artifacts import entries_for
+
+    lacking: dict[str, list[str]] = {}
+    for name in CPU_TARGET_PREFERENCE:
+        target = get_target(name)
+        for _, manifest in manifests:
+            for _kernel, entry in entries_for(manifest, name, KERNEL_ABI, parse_kernel) if manifest else ():
+                lacks = _cpu_lacks(target, entry)
+                if not lacks:
+                    return target
+                lacking.setdefault(name, lacks)
+    if lacking and not compile_missing:
+        cpu = host_cpu.this_cpu()
+        why = "; ".join(f"{name} needs {', '.join(lacks)}" for name, lacks in lacking.items())
+        raise ArtifactError(
+            f"{manifests[0][0]} holds no CPU artifact this CPU ({cpu.arch}) can run ({why}). Build for it:\n"
+            f"  turbine-fmha build --targets host --artifacts {manifests[0][0]}\n"
+            '(or a named CPU target it supports: docs/user-guide.md, "CPU targets")'
+        )
+    return get_target("host")
 
 
 _DEFAULT_SESSIONS: dict[str, Session] = {}
