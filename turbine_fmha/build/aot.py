@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from ..core import cpu as host_cpu
+from ..kernels.abi import abi, abi_docs
 from ..kernels.append_kernel import AppendKernel
 from ..kernels.signature import KERNEL_ABI
 from ..kernels.variants import Variant, target_unsupported
@@ -169,9 +170,9 @@ def _remove_inside(out: Path, rel: str) -> None:
             path.unlink()
 
 
-def _record(out: Path, entry: dict, partial: Path, version: str) -> None:
-    """Moves a finished vmfb into place and records it in the manifest, as
-    one step under the lock. Other writers' entries are kept (the manifest is
+def _record(out: Path, entry: dict, partial: Path | None, version: str) -> None:
+    """Moves a finished vmfb into place (none: the entry's file is already
+    there) and records it in the manifest, as one step under the lock. Other writers' entries are kept (the manifest is
     re-read under the lock). A SIGKILL at any point leaves a manifest whose
     every entry names a file with its hash: the old file is removed only
     after the manifest stops listing it."""
@@ -180,7 +181,8 @@ def _record(out: Path, entry: dict, partial: Path, version: str) -> None:
         by_key = {(a["target"], a["variant"]): a for a in manifest["artifacts"]}
         key = (entry["target"], entry["variant"])
         old = by_key.get(key)
-        os.replace(partial, out / entry["path"])
+        if partial is not None:
+            os.replace(partial, out / entry["path"])
         by_key[key] = entry
         _write_manifest(out, by_key, version)
         listed = {a["path"] for a in by_key.values()}
@@ -203,6 +205,8 @@ def _write_manifest(out: Path, by_key: dict, version: str) -> None:
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "compiler_version": version,
+        # What the entries' "abi" names and ids mean (docs/abi.md).
+        "abi": abi_docs(),
         "artifacts": sorted(by_key.values(), key=lambda a: (a["target"], a["variant"])),
     }
     atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
@@ -302,6 +306,12 @@ class _Builder:
         shash = source_hash(mlir, target, self.version)
         prev = self._unchanged(v, target, shash)
         if prev is not None:
+            if prev.get("abi") != abi(v):
+                # An entry of an earlier release, or of an earlier ABI
+                # description: the same function (KERNEL_ABI matched), its
+                # description brought up to date without recompiling.
+                prev = dict(prev, abi=abi(v))
+                _record(self.out, prev, None, self.version)
             return BuildResult(v.name, target.name, prev, rebuilt=False)
         atomic_write(self.out / target.name / f"{v.name}.mlir", mlir)
         partial = _temp_name(self.out / target.name / f"{v.name}.vmfb", ".partial")
@@ -336,6 +346,7 @@ class _Builder:
             "flags": list(target.flags),
             "compile_seconds": round(seconds, 3),
             "isa": report,
+            "abi": abi(v),
             **_cpu_fields(target),
         }
 

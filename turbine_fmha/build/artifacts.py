@@ -89,6 +89,9 @@ _ENTRY_FIELDS = {
     "flags": ("array", False),
     "compile_seconds": ("number", False),
     "isa": ("object", False),
+    # The function's ABI (kernels/abi.py; the manifest's top-level "abi"
+    # says what its names and ids mean).
+    "abi": ("object", False),
     # CPU targets: what a CPU needs to run the artifact (core/cpu.py).
     "cpu_arch": ("string", False),
     "cpu_requires": ("array", False),

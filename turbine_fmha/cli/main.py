@@ -53,6 +53,8 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
+    if args.abi:
+        return _inspect_abi(args)
     m = _manifest(args)
     hits = [
         a for a in m["artifacts"] if a["variant"] == args.variant and (not args.target or a["target"] == args.target)
@@ -73,6 +75,32 @@ def _cmd_inspect(args) -> int:
             elif isinstance(v, list):
                 v = " ".join(map(str, v))
             print(f"  {k:<17} {v}")
+    return 0
+
+
+def _inspect_abi(args) -> int:
+    """The ABI of `args.variant`: as its manifest entry records it where
+    the artifact directory has one, else derived from the name (the same
+    description: kernels/abi.py)."""
+    from ..build.artifacts import read_manifest
+    from ..kernels import abi
+    from ..kernels.variants import parse_kernel
+
+    d = artifact_dir(args, may_be_missing=True)
+    m = read_manifest(d)
+    entries = [] if m is None else [a for a in m.artifacts if a["variant"] == args.variant and "abi" in a]
+    entries = [a for a in entries if not args.target or a["target"] == args.target]
+    if entries and "abi" in m.data:
+        described = abi.join(entries[0]["abi"], m.data["abi"])
+    else:
+        try:
+            described = abi.describe(parse_kernel(args.variant))
+        except ValueError as e:
+            raise CliError(f"{args.variant}: {e}") from None
+    if args.json:
+        emit_json(described)
+    else:
+        print(abi.as_text(described))
     return 0
 
 
@@ -225,6 +253,11 @@ def parser() -> argparse.ArgumentParser:
     _artifacts_option(ins)
     ins.add_argument("--target", default=None)
     ins.add_argument("--json", action="store_true", help="the manifest entry (a list when several targets match)")
+    ins.add_argument(
+        "--abi",
+        action="store_true",
+        help="the function's ABI: arguments, results, packed scalars, preconditions, planning (docs/abi.md)",
+    )
     ins.set_defaults(fn=_cmd_inspect)
     add_problem_commands(sub, _artifacts_option)
     return p

@@ -1,0 +1,181 @@
+"""The artifacts' ABI (kernels/abi.py): every declared name documented,
+each manifest entry's description equal to its kernel's and to the
+function's own reflection, and artifacts called through `iree-run-module`
+with nothing but the manifest: a host of another language, told only
+what the ABI says (argument order, shapes, dtypes, what the packed
+scalars and the static tiles mean), gets the float64 reference's
+results."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import CACHE, OUT_TOL
+
+from turbine_fmha.build import aot
+from turbine_fmha.kernels import abi
+from turbine_fmha.kernels.signature import APPEND, APPEND_ROTARY, FWD
+from turbine_fmha.kernels.variants import parse_kernel
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+
+DECODE = "pagedkv_fwd_f16_d64x64_g2_pg16_nmask_lse_explicit"
+PREFILL = "pagedkv_fwd_f16_d64x64_g2_pg16_mbr_lse_explicit"
+STATIC = "pagedkv_fwd_f16_d32x32_h4x2_pg16_nmask_lse_online_b8_q1_nvguard_m16"
+OTHERS = [
+    "pagedkv_fwd_f16_d64x64_g2_pg16_nmask_biasb1_lse_explicit",
+    "pagedkv_append_bf16_h1_d16x8_pg4_ropei",
+    "pagedkv_append_bf16_h1_d16x8_pg4",
+]
+DTYPES = {"f16": np.float16, "bf16": None, "f32": np.float32, "i32": np.int32, "i8": np.int8}
+
+
+def test_every_declared_name_has_a_meaning():
+    for decl in (FWD, APPEND, APPEND_ROTARY):
+        meanings = abi.MEANINGS[abi.family(decl)]
+        for t in decl.args + decl.results:
+            assert t.name in meanings, (decl.name, t.name)
+            for layout in [d for _, d in t.layouts] or [t.dims]:
+                for d in layout:
+                    assert isinstance(d, int) or d in abi.SYMBOLS, (t.name, d)
+    assert [n for n, _ in abi.FPARAMS] == ["scale_s", "logits_soft_cap", "scale_o", "scale_p"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The kernels, built for the host into a directory of their own (a
+    copy of the suite's cache entries, so nothing compiles twice)."""
+    d = tmp_path_factory.mktemp("abi")
+    kernels = [parse_kernel(n) for n in (DECODE, PREFILL, STATIC, *OTHERS)]
+    aot.build(CACHE, ["host"], kernels)
+    cache = json.loads((CACHE / "manifest.json").read_text())
+    keep = [a for a in cache["artifacts"] if a["target"] == "host" and a["variant"] in {k.name for k in kernels}]
+    for a in keep:
+        (d / a["path"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(CACHE / a["path"], d / a["path"])
+    (d / "manifest.json").write_text(json.dumps(dict(cache, artifacts=keep)))
+    return d
+
+
+def test_entries_carry_their_kernels_abi(built):
+    m = json.loads((built / "manifest.json").read_text())
+    assert m["abi"] == abi.abi_docs()
+    for a in m["artifacts"]:
+        assert a["abi"] == abi.abi(parse_kernel(a["variant"]))
+
+
+def _declared(decl: str) -> tuple[list, list]:
+    """The argument and result types of IREE's reflection of a function."""
+    ins, outs = re.fullmatch(r"async func @\w+\((.*)\) -> \((.*)\)", decl).groups()
+    parse = lambda part: [
+        (m.group(1).split("x")[:-1], m.group(1).split("x")[-1]) for m in re.finditer(r"tensor<([^>]*)>", part)
+    ]
+    return parse(ins), parse(outs)
+
+
+def test_abi_matches_the_functions_reflection(built):
+    import iree.runtime as rt
+
+    m = json.loads((built / "manifest.json").read_text())
+    instance = rt.VmInstance()
+    for a in m["artifacts"]:
+        module = rt.VmModule.mmap(instance, str(built / a["path"]))
+        fn = module.lookup_function(a["abi"]["function"])
+        assert fn is not None and fn.reflection["iree.abi.model"] == "coarse-fences"
+        ins, outs = _declared(fn.reflection["iree.abi.declaration"])
+        for declared, described in ((ins, a["abi"]["args"]), (outs, a["abi"]["results"])):
+            assert [(dims, dt) for dims, dt in declared] == [
+                ([str(s) for s in t["shape"]], t["dtype"]) for t in described
+            ], a["variant"]
+
+
+def _run_module(directory: Path, name: str, inputs: dict, tmp: Path) -> list[np.ndarray]:
+    """Calls artifact `name` with iree-run-module, reading nothing but the
+    manifest: the argument order, static sizes and dtypes come from its
+    ABI."""
+    m = json.loads((directory / "manifest.json").read_text())
+    (entry,) = [a for a in m["artifacts"] if a["variant"] == name]
+    cmd = [
+        str(Path(sys.executable).with_name("iree-run-module")),
+        f"--module={directory / entry['path']}",
+        "--device=local-task",
+        f"--function={entry['abi']['function']}",
+    ]
+    for i, arg in enumerate(entry["abi"]["args"]):
+        a = inputs[arg["name"]]
+        assert a.dtype == DTYPES[arg["dtype"]] and all(s == "?" or s == n for s, n in zip(arg["shape"], a.shape))
+        np.save(tmp / f"in{i}.npy", np.ascontiguousarray(a))
+        cmd.append(f"--input=@{tmp / f'in{i}.npy'}")
+    cmd += [f"--output=@{tmp / f'out{i}.npy'}" for i in range(len(entry["abi"]["results"]))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return [np.load(tmp / f"out{i}.npy") for i in range(len(entry["abi"]["results"]))]
+
+
+def _scalars(docs: dict, d: int, causal: bool) -> dict:
+    """fparams and iparams by the names the manifest gives them."""
+    unbounded = docs["unbounded"]
+    f = {"scale_s": 1 / math.sqrt(d), "logits_soft_cap": 0.0, "scale_o": 1.0, "scale_p": 1.0}
+    i = {"q_start": 0, "window_left": unbounded, "window_right": 0 if causal else unbounded, "sink_size": 0}
+    return dict(
+        fparams=np.array([f[p["name"]] for p in docs["fparams"]], np.float32),
+        iparams=np.array([i[p["name"]] for p in docs["iparams"]], np.int32),
+    )
+
+
+@pytest.mark.parametrize("name, rows, causal", [(DECODE, 1, False), (PREFILL, 40, True), (STATIC, 1, False)])
+def test_a_call_through_iree_run_module_from_the_manifest_alone(built, rng, tmp_path, name, rows, causal):
+    m = json.loads((built / "manifest.json").read_text())
+    (entry,) = [a for a in m["artifacts"] if a["variant"] == name]
+    sizes = entry["abi"]["sizes"]
+    hq, hk = (sizes["HQ"], sizes["HK"]) if sizes["HQ"] != "?" else (4, 2)
+    d, dv, page = sizes["D"], sizes["DV"], sizes["PG"]
+    seqs, seqlen_k = 3, np.array([37, 5, 64 if causal else 20], np.int32)
+    seqlen_k = np.maximum(seqlen_k, rows) if causal else seqlen_k
+    batch = sizes["B"] if sizes["B"] != "?" else seqs  # static tiles: pad the batch (ABI "pad_to_tiles")
+    width, pages = 6, 24
+    k = rng.standard_normal((pages, page, hk, d)).astype(np.float16)
+    v = rng.standard_normal((pages, page, hk, dv)).astype(np.float16)
+    table = np.zeros((batch, width), np.int32)  # padding entries read page 0, with no keys
+    used = -(-seqlen_k // page)
+    perm = rng.permutation(pages)
+    for b in range(seqs):
+        table[b, : used[b]] = perm[b * width : b * width + used[b]]
+        table[b, used[b] :] = table[b, 0]  # unused slots: a page the sequence owns (finite_stale_rows)
+    q = rng.standard_normal((batch, rows, hq, d)).astype(np.float16)
+    pad = lambda a: np.concatenate([a, np.zeros(batch - seqs, np.int32)])
+    inputs = dict(
+        q=q,
+        k_cache=k,
+        v_cache=v,
+        block_table=table,
+        seqlen_q=pad(np.full(seqs, rows, np.int32)),
+        seqlen_k=pad(seqlen_k),
+        kv_shift=np.zeros(batch, np.int32),
+        **_scalars(m["abi"], d, causal),
+    )
+    out, lse, *_ = _run_module(built, name, inputs, tmp_path)
+    mask = dict(mask_type="bottom_right", window_size_right=0) if causal else {}
+    ref, ref_lse = fmha_fwd_paged_ref(q[:seqs], k, v, table[:seqs], seqlen_k, **mask)
+    err = np.abs(out[:seqs].astype(np.float64) - ref).max() / np.abs(ref).max()
+    assert err <= OUT_TOL["f16"], err
+    np.testing.assert_allclose(lse[:seqs], ref_lse, atol=5e-3)
+
+
+def test_inspect_abi_prints_it(built, capsys):
+    from turbine_fmha.cli.main import main
+
+    assert main(["inspect", "--abi", STATIC, "--artifacts", str(built), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described == abi.describe(parse_kernel(STATIC))
+    assert "every V row the kernel reads is finite" in " ".join(described["preconditions"])
+    assert main(["inspect", "--abi", STATIC, "--artifacts", str(built)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{STATIC}(\n  q ") and "iparams[0] q_start" in text
