@@ -18,7 +18,13 @@ LAYERS = ("core", "kernels", "build", "calls", "testing", "runtime", "api", "int
 # torch, transformers); everything else defers them to the functions that
 # need them.
 HEAVY = ("torch", "iree.compiler", "iree.turbine", "jinja2", "transformers")
-HEAVY_ALLOWED = {"kernels.custom_ops", "api.torch_ops", "integrations.transformers", "integrations._hf_masks"}
+HEAVY_ALLOWED = {
+    "kernels.custom_ops",
+    "api.torch_ops",
+    "api.exported",
+    "integrations.transformers",
+    "integrations._hf_masks",
+}
 
 
 def _modules() -> dict[str, Path]:

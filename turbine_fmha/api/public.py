@@ -1,7 +1,9 @@
 """The public functions. Each runs its eager implementation, or, while
 torch.compile traces it, goes through its torch op (torch_ops), whose
 implementation is that same eager function: one call works compiled and
-eager, and dynamo never traces the host machinery.
+eager, and dynamo never traces the host machinery. While a module is
+exported (torch.export, iree.turbine.aot.export), the attention emits its
+kernel into the program instead (exported.py).
 """
 
 from __future__ import annotations
@@ -9,19 +11,30 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ..core.tracing import compiling
+from ..core.tracing import compiling, exporting
 from . import eager, flash_attn, kv_write
 
 
-def _routed(fn, route: str):
+def _routed(fn, route: str, exported: str | None = None):
     """`fn`, or torch_ops.<route> with the same arguments by name while
-    torch.compile traces: dynamo traces this wrapper, not the eager body."""
+    torch.compile traces: dynamo traces this wrapper, not the eager body.
+    While exporting, exported.<exported> (the kernel in the program), or
+    NotImplementedError where there is none."""
     names = tuple(
         n for n, p in inspect.signature(fn).parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     )
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if exporting():
+            if exported is None:
+                raise NotImplementedError(
+                    f"{fn.__name__} inside an exported program is not supported yet (fmha_fwd_paged is: "
+                    "docs/user-guide.md, 'Inside exported programs')"
+                )
+            from . import exported as exported_impl  # imports torch and iree-turbine
+
+            return getattr(exported_impl, exported)(**dict(zip(names, args)), **kwargs)
         if compiling():
             from . import torch_ops  # imports torch and registers the ops, once
 
@@ -31,7 +44,7 @@ def _routed(fn, route: str):
     return call
 
 
-fmha_fwd_paged = _routed(eager.fmha_fwd_paged, "call_paged")
+fmha_fwd_paged = _routed(eager.fmha_fwd_paged, "call_paged", "call_paged")
 fmha_fwd_kvcache = _routed(eager.fmha_fwd_kvcache, "call_kvcache")
 reshape_and_cache = _routed(kv_write.reshape_and_cache, "call_reshape_and_cache")
 flash_attn_with_kvcache = _routed(flash_attn.flash_attn_with_kvcache, "call_flash_attn")

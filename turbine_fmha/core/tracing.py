@@ -24,6 +24,14 @@ def compiling() -> bool:
     return torch is not None and torch.compiler.is_compiling()
 
 
+def exporting() -> bool:
+    """Whether torch.export (iree.turbine.aot.export) traces the current
+    call: the public functions then emit their kernels into the program
+    (api/exported.py)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_exporting()
+
+
 def untraced(fn):
     """`fn`, run eagerly when called from code that torch.compile traces
     (a graph break there). Under `fullgraph=True` dynamo refuses such a

@@ -349,6 +349,20 @@ def _registered(cls) -> CustomOp:
     return ALL_CUSTOM_OP_REGS[fq]
 
 
+def torch_op(cls):
+    """The torch op of CustomOp class `cls` (registered on first use): what
+    traced code calls, since dynamo does not trace CustomOp instances.
+    Exported (iree.turbine.aot.export), the op is lowered into the program
+    through the class's select and generate."""
+    _registered(cls)
+    return getattr(torch.ops.turbine, cls.signature.split("(")[0])
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str | None:
+    """The kernels' name of a torch dtype ("f16", ...), None if none."""
+    return _DTYPE_NAME.get(dtype)
+
+
 def _meta(t: sig.Tensor, types: sig.Types) -> torch.Tensor:
     """A meta tensor of `t`'s declared shape; dynamic dims get size 2, so a
     size-1 axis always means a broadcast axis."""

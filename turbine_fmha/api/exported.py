@@ -1,0 +1,186 @@
+"""The public attention inside exported programs (`iree.turbine.aot.export`,
+torch.export): while a module is exported, `fmha_fwd_paged` emits the
+kernel itself (the kernels' CustomOp, lowered into the program by
+iree-turbine) instead of the eager call or the opaque torch op that
+torch.compile gets. The exported program then holds the paged gather and
+the attention with the rest of the model: one compiled program, one
+invoke per step, any IREE host.
+
+What is decided here, at export time, from the declared shapes alone:
+the variant (dtype, head counts, head dims, page size, page layout, mask,
+score terms), and the scalars the kernel takes (scale, soft-cap, window
+sides). Batch, page count and table width stay dynamic where the export
+declares them so. The kernel is the explicit formulation, which every
+target compiles (IREE's GPU code for it is slower than the online one the
+runtime picks on GPUs; docs/user-guide.md, "Inside exported programs").
+
+Checks that need values (the tables' contents) cannot run on traced
+tensors: the exported program trusts its caller as the kernels' ABI says
+(docs/abi.md). Imports torch and iree-turbine: only an export reaches it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..calls.mask import MaskSpec
+from ..core.checks import check_float
+from ..kernels import custom_ops
+from ..kernels.signature import fwd_attrs
+from ..kernels.turbine_compat import ensure_mlir_isinstance
+from ..kernels.variants import Variant
+from .conventions import conventions
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Here, at import (which an export's tracing runs as plain Python), not in
+# the traced call: dynamo cannot trace the op's registration, and
+# iree-turbine lowers the op after tracing, with the bindings patched.
+ensure_mlir_isinstance()
+_FWD_EXPLICIT = custom_ops.torch_op(custom_ops.PagedKVFwdExplicit)
+
+# Arguments the exported attention does not take yet, each with the value
+# that means "not used".
+_UNSUPPORTED = {
+    "seqstart_q": None,
+    "kv_offset": None,
+    "min_seqlen_q": 0,
+    "alibi_slopes": None,
+    "bias": None,
+    "q_scale": None,
+    "k_scale": None,
+    "v_scale": None,
+    "p_scale": None,
+    "out_scale": None,
+    "num_splits": None,
+    "out": None,
+}
+
+
+def call_paged(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seqlen_k,
+    *,
+    scale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=None,
+    mask_type="none",
+    window_size_left=-1,
+    window_size_right=-1,
+    sink_size=0,
+    logits_soft_cap=0.0,
+    sinks=None,
+    kv_layout="NHD",
+    v_layout="row",
+    return_lse=False,
+    kv_rows_finite=None,
+    device=None,
+    session=None,
+    **others,
+):
+    """fmha_fwd_paged while exporting (the public function routes here).
+    `kv_rows_finite`, `device` and `session` have no meaning in an
+    exported program (it runs where it is compiled for, and the explicit
+    kernels keep their stale-row guard) and are ignored."""
+    for name, value in others.items():
+        if name not in _UNSUPPORTED:
+            raise TypeError(f"fmha_fwd_paged() got an unexpected keyword argument {name!r}")
+        default = _UNSUPPORTED[name]
+        if not (value is None if default is None else isinstance(value, type(default)) and value == default):
+            raise NotImplementedError(
+                f"{name} is not supported inside an exported program yet (batch mode with masks, scale, "
+                "logits_soft_cap and sinks is; docs/user-guide.md, 'Inside exported programs')"
+            )
+    terms = conventions(
+        scale=scale,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        mask_type=mask_type,
+        window_size_left=window_size_left,
+        window_size_right=window_size_right,
+    )
+    mask = MaskSpec.from_args(terms["mask_type"], terms["window_size_left"], terms["window_size_right"], sink_size)
+    _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layout)
+    hdim = q.shape[3]
+    softmax = math.sqrt(1.0 / hdim) if terms["scale"] is None else check_float(terms["scale"], "scale")
+    cap = check_float(logits_soft_cap, "logits_soft_cap")
+    if cap < 0:
+        raise ValueError(f"logits_soft_cap must be >= 0, got {cap}")
+    heads = 2 if kv_layout == "NHD" else 1
+    variant = Variant(
+        dtype=custom_ops.torch_dtype_name(q.dtype),
+        hdim_q=hdim,
+        hdim_v=v_cache.shape[2 if v_layout == "col" else 3],
+        nhead_q=q.shape[2],
+        nhead_k=k_cache.shape[heads],
+        page_block_size=k_cache.shape[1 if kv_layout == "NHD" else 2],
+        mask=mask.type,
+        softcap=bool(cap),
+        sinks=sinks is not None,
+        kv_layout=kv_layout,
+        v_layout=v_layout,
+        formulation="explicit",
+    )
+    block_table, seqlen_k = block_table.to(torch.int32), seqlen_k.to(torch.int32)
+    left, right = mask.kernel_sides
+    out, lse, _, _ = _FWD_EXPLICIT(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        torch.full_like(seqlen_k, q.shape[1]),  # batch mode: every sequence has all q's rows
+        seqlen_k,
+        torch.zeros_like(seqlen_k),  # kv_shift: no gappy KV
+        torch.tensor([softmax, cap, 1.0, 1.0], dtype=torch.float32),
+        torch.tensor([0, left, right, mask.sink], dtype=torch.int32),
+        None,
+        None,
+        None if sinks is None else sinks.to(torch.float32),
+        *fwd_attrs(variant).values(),
+    )
+    return (out, lse) if return_lse else out
+
+
+def _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layout) -> None:
+    """What the shapes and dtypes tell, each error naming its argument."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor inside an exported program, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise NotImplementedError(
+            f"q must be [batch, seqlen_q, nhead_q, hdim] inside an exported program (group mode is not "
+            f"supported yet), got {q.dim()} dims"
+        )
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims, got {c.dim()}")
+        if c.dtype != q.dtype:
+            raise TypeError(f"{name} must be {q.dtype} like q (fp8 caches are not supported here yet), got {c.dtype}")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if v_layout not in ("row", "col"):
+        raise ValueError(f"v_layout must be 'row' or 'col', got {v_layout!r}")
+    nhead_q, nhead_k = q.shape[2], k_cache.shape[2 if kv_layout == "NHD" else 1]
+    if nhead_q % nhead_k:
+        raise ValueError(f"nhead_q ({nhead_q}) must be a multiple of nhead_k ({nhead_k})")
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"k_cache's head dim ({k_cache.shape[3]}) must equal q's ({q.shape[3]})")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {block_table.dim()} dims of {block_table.dtype}")
+    if (
+        not isinstance(seqlen_k, torch.Tensor)
+        or seqlen_k.dim() != 1
+        or seqlen_k.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError("seqlen_k must be a 1-D int32 tensor inside an exported program")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (nhead_q,)):
+        raise ValueError(f"sinks must be a tensor [nhead_q] = [{nhead_q}]")
