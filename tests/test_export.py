@@ -162,3 +162,14 @@ def test_the_mlir_isinstance_fix():
         assert ir.IntegerType.isinstance(i32) and not ir.IntegerType.isinstance(f32)
         assert ir.RankedTensorType.isinstance(tensor) and not ir.RankedTensorType.isinstance(i32)
         assert ir.F32Type.isinstance(f32) and not ir.F64Type.isinstance(f32)
+
+
+def test_the_export_knows_every_argument_of_the_eager_call():
+    """Each argument of fmha_fwd_paged is taken or refused by name inside
+    an export: a new argument cannot reach an export unnoticed."""
+    import inspect
+
+    from turbine_fmha.api import eager, exported
+
+    taken = set(inspect.signature(exported.call_paged).parameters) - {"others"}
+    assert set(inspect.signature(eager.fmha_fwd_paged).parameters) == taken | set(exported._UNSUPPORTED)
