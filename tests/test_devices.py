@@ -138,3 +138,39 @@ def test_tensors_only_on_the_sessions_gpu():
         _check_tensor_devices("hip:2", q=host.to("meta"))
     with pytest.raises(ValueError, match="device"):
         _check_tensor_devices("tpu", q=host)
+
+
+def _calls_with_a_session_only():
+    """Each public entry point called with `session=` and no `device=`."""
+    torch = pytest.importorskip("torch")
+    from turbine_fmha.api import torch_ops
+
+    q = np.zeros((1, 1, 4, 32), np.float16)
+    pages = np.zeros((4, 16, 2, 32), np.float16)
+    rows = np.zeros((1, 16, 2, 32), np.float16)
+    table, seqlen = np.zeros((1, 2), np.int32), np.ones(1, np.int32)
+    t = {n: torch.from_numpy(a) for n, a in dict(q=q, k_cache=pages, v_cache=pages, seqlen_k=seqlen).items()}
+    return {
+        "fmha_fwd_paged": lambda s: turbine_fmha.fmha_fwd_paged(q, pages, pages, table, seqlen, session=s),
+        "fmha_fwd_paged_async": lambda s: turbine_fmha.fmha_fwd_paged_async(
+            q, pages, pages, table, seqlen, session=s
+        ).result(),
+        "fmha_fwd_kvcache": lambda s: turbine_fmha.fmha_fwd_kvcache(q, rows, rows, seqlen, session=s),
+        "flash_attn_with_kvcache": lambda s: turbine_fmha.flash_attn_with_kvcache(
+            q, pages, pages, cache_seqlens=seqlen, block_table=table, session=s
+        ),
+        "the torch op": lambda s: torch_ops.call_paged(**t, block_table=torch.from_numpy(table), session=s),
+    }
+
+
+@pytest.mark.parametrize("call", list(_calls_with_a_session_only()))
+def test_a_session_alone_picks_the_device(two_gpus, call):
+    """session=Session("cuda:1") with no device= runs on that session (here:
+    it looks up its cuda kernels, which this machine lacks), as PagedAttention
+    and reshape_and_cache always did; it was refused as "call asked for
+    'cpu'" (device defaulted to "cpu"), found by the H200 probe."""
+    s1 = turbine_fmha.Session("cuda:1")
+    with pytest.raises(turbine_fmha.ArtifactError, match="no cuda artifact"):
+        _calls_with_a_session_only()[call](s1)
+    with pytest.raises(ValueError, match="session is for device 'cuda:1', call asked for 'cpu'"):
+        turbine_fmha.fmha_fwd_paged(*(np.zeros(1),) * 5, session=s1, device="cpu")

@@ -53,7 +53,7 @@ def fmha_fwd_paged(
     causal=False,
     softmax_scale=None,
     window_size=None,
-    device="cpu",
+    device=None,
     session: Session | None = None,
 ):
     """Paged-KV flash-attention forward (ck_tile's FmhaFwdPagedKVKernel).
@@ -101,7 +101,7 @@ def fmha_fwd_paged(
         bias=bias,
         sinks=sinks,
     )
-    _check_tensor_devices(session.device_name if isinstance(session, Session) else device, **given, out=out)
+    _check_tensor_devices(session.device_name if isinstance(session, Session) else device or "cpu", **given, out=out)
     settings = dict(
         v_layout=v_layout,
         kv_layout=kv_layout,
@@ -155,16 +155,16 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, 
         if kwargs.get(name, paged) != paged:
             raise ValueError(f"{name}={kwargs[name]!r} is supported for paged caches only (fmha_fwd_paged)")
     if kwargs.get("session") is None:
-        kwargs["session"] = default_session(kwargs.get("device", "cpu"))
+        kwargs["session"] = default_session(kwargs.get("device") or "cpu")
     k_pages, v_pages, block_table, sk = paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, kwargs["session"])
     return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 
 
-def fmha_fwd_paged_async(*args, session: Session | None = None, device: str = "cpu", **kwargs):
+def fmha_fwd_paged_async(*args, session: Session | None = None, device: str | None = None, **kwargs):
     """fmha_fwd_paged on the session's worker threads: returns a
     concurrent.futures.Future of its result. Arguments are validated in the
     worker, so errors surface from Future.result(). The caller must not
     modify the arrays it passed until the future is done."""
     if session is None:
-        session = default_session(device)
+        session = default_session(device or "cpu")
     return session.submit(fmha_fwd_paged, *args, session=session, device=device, **kwargs)

@@ -42,7 +42,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     *,
     session=None,
-    device="cpu",
+    device=None,
 ):
     """flash-attn's `flash_attn_with_kvcache`, with its argument names and
     semantics, run by fmha_fwd_paged (with block_table) or fmha_fwd_kvcache

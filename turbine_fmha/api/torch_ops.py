@@ -67,7 +67,7 @@ _SCALARS = (
     ("out_scale", "float?", None),
     ("num_splits", "int?", None),
     ("kv_rows_finite", "bool?", None),
-    ("device", "str", "cpu"),
+    ("device", "str?", None),
     ("session", "int", 0),
 )
 # Window sides and sink counts past every key all mean "every key" (mask.py
@@ -283,7 +283,7 @@ _FLASH_SCALARS = (
     ("softcap", "float", 0.0),
     ("rotary_interleaved", "bool", True),
     ("num_splits", "int", 0),
-    ("device", "str", "cpu"),
+    ("device", "str?", None),
     ("session", "int", 0),
 )
 
@@ -396,7 +396,7 @@ def call_op(
     out=None,
     return_lse=False,
     session=None,
-    device="cpu",
+    device=None,
     scale=None,
     softmax_scale=None,
     causal=False,

@@ -509,8 +509,10 @@ def default_session(device) -> Session:
 
 def resolve_session(session, device) -> Session:
     """`session`, checked against the call's `device` (a kind alone, such
-    as "cuda", matches a session on any of its GPUs), or the default
-    session of `device`."""
+    as "cuda", matches a session on any of its GPUs; None, any device), or
+    the default session of `device` (None: the CPU)."""
+    if device is None:
+        device = session.device_name if isinstance(session, Session) else "cpu"
     kind, ordinal = parse_device(device)
     if session is None:
         return default_session(device)
