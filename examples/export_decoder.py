@@ -110,15 +110,33 @@ class PagedDecoder(torch.nn.Module):
         return self.model.lm_head(inner.norm(h))
 
 
-def export_program(model: LlamaForCausalLM, num_pages: int):
-    """The decoder step exported and compiled for the host: a function of
-    numpy arrays (tokens, positions, slots, block_table, seqlen_k) ->
-    logits, the caches inside the program."""
+# The compiler flags of each place the program can run (the kernels'
+# own table, build/targets.py, holds the same for the artifacts).
+TARGETS = {
+    "cpu": (
+        "local-task",
+        [
+            "--iree-hal-target-device=local",
+            "--iree-hal-local-target-device-backends=llvm-cpu",
+            "--iree-llvmcpu-target-cpu=host",
+        ],
+    ),
+    "cuda": ("cuda", ["--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80"]),
+}
+
+
+def compile_program(model: LlamaForCausalLM, num_pages: int, device: str = "cpu") -> bytes:
+    """The decoder step exported with `iree.turbine.aot.export` and compiled
+    for `device`: a vmfb whose `main(tokens, positions, slots, block_table,
+    seqlen_k)` returns the logits. The weights and caches are the program's
+    parameters (scope "model"), named as in the module's state_dict: the
+    vmfb holds no weights, and whoever loads it supplies them
+    (load_program)."""
     import iree.compiler as ic
-    import iree.runtime as rt
     from iree.turbine import aot
 
     batch, rows, width = torch.export.Dim("batch"), torch.export.Dim("rows"), torch.export.Dim("width")
+    # Distinct example tensors: torch.export ties inputs that are one tensor.
     example = (
         torch.zeros(2, 3, dtype=torch.int64),
         torch.zeros(2, 3, dtype=torch.int64),
@@ -127,16 +145,44 @@ def export_program(model: LlamaForCausalLM, num_pages: int):
         torch.ones(2, dtype=torch.int32),
     )
     dims = [{0: batch, 1: rows}, {0: batch, 1: rows}, {0: batch, 1: rows}, {0: batch, 1: width}, {0: batch}]
+    module = PagedDecoder(model, num_pages)
+    aot.externalize_module_parameters(module, external_scope="model")
     with torch.no_grad():
-        exported = aot.export(PagedDecoder(model, num_pages), args=example, dynamic_shapes=dims)
-    vmfb = ic.compile_str(
-        str(exported.mlir_module), target_backends=["llvm-cpu"], extra_args=["--iree-llvmcpu-target-cpu=host"]
-    )
-    config = rt.Config("local-task")
+        exported = aot.export(module, args=example, dynamic_shapes=dims)
+    return ic.compile_str(str(exported.mlir_module), extra_args=TARGETS[device][1])
+
+
+def load_program(vmfb: bytes, model: LlamaForCausalLM, num_pages: int, device: str = "cpu"):
+    """`vmfb` loaded on `device` with `model`'s weights as its parameters and
+    zeroed caches: a function of numpy arrays (tokens, positions, slots,
+    block_table, seqlen_k) -> logits (numpy)."""
+    import iree.runtime as rt
+
+    config = rt.Config(TARGETS[device][0])
+    index = rt.ParameterIndex()
+    weights = []  # the index reads these arrays' memory: keep them alive
+    for name, tensor in PagedDecoder(model, num_pages).state_dict().items():
+        array = tensor.detach().cpu().contiguous().numpy()
+        if name.startswith(("k_cache", "v_cache")):
+            index.add_splat(name, np.zeros(1, array.dtype).tobytes(), array.nbytes)
+        else:
+            weights.append(array)
+            index.add_buffer(name, array)
     ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model")))
     ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     main = ctx.modules.module["main"]
-    return lambda *arrays: main(*arrays).to_host()
+
+    def program(*arrays):
+        return main(*arrays).to_host()
+
+    program.weights = weights
+    return program
+
+
+def export_program(model: LlamaForCausalLM, num_pages: int, device: str = "cpu"):
+    """compile_program then load_program, in one process."""
+    return load_program(compile_program(model, num_pages, device), model, num_pages, device)
 
 
 class Pages:
@@ -183,17 +229,22 @@ def generate_hf(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def _hf_step_ms(model, prompts, new_tokens, cache_factory) -> float:
     """Median wall time of a decode step of HF's own loop (one forward of
-    one row per sequence, its cache carried), greedy, back to back."""
+    one row per sequence, its cache carried), greedy, back to back, each
+    step's token ready on the device before the next (as the exported
+    program's logits are on the host)."""
+    sync = torch.cuda.synchronize if prompts.is_cuda else lambda: None
     with torch.no_grad():
         cache = cache_factory()
         out = model(prompts, past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
+        sync()
         times = []
         for _ in range(new_tokens - 1):
             t0 = time.perf_counter()
             out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
-            times.append(time.perf_counter() - t0)
             nxt = out.logits[:, -1:].argmax(-1)
+            sync()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
@@ -204,14 +255,27 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=sorted(TARGETS), default="cpu", help="where the program runs")
+    ap.add_argument("--save", metavar="VMFB", help="compile for --device, write the program here and stop")
+    ap.add_argument("--vmfb", help="run this program (from --save with the same model flags) instead of exporting")
+    ap.add_argument("--artifacts", help="--time on cuda: the per-layer path's kernels (turbine-fmha build)")
     ap.add_argument("--time", action="store_true", help="time a decode step against HF's paths, as called")
     args = ap.parse_args()
     model = small_llama(args.seed, args.layers)
     torch.manual_seed(args.seed + 1)
     prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len))
+    num_pages = args.batch * -(-(args.prompt_len + args.new_tokens) // PAGE)
     t0 = time.perf_counter()
-    program = export_program(model, args.batch * -(-(args.prompt_len + args.new_tokens) // PAGE))
-    print(f"exported and compiled in {time.perf_counter() - t0:.1f} s")
+    if args.vmfb:
+        vmfb = Path(args.vmfb).read_bytes()
+    else:
+        vmfb = compile_program(model, num_pages, args.device)
+        print(f"exported and compiled for {args.device} in {time.perf_counter() - t0:.1f} s")
+    if args.save:
+        Path(args.save).write_bytes(vmfb)
+        print(f"wrote {args.save} ({len(vmfb)} bytes)")
+        return 0
+    program = load_program(vmfb, model, num_pages, args.device)
     times: list = []
     ours = generate_exported(program, prompts.numpy(), args.new_tokens, times)
     hf = generate_hf(model, prompts, args.new_tokens).numpy()
@@ -224,17 +288,19 @@ def main() -> int:
 
         from turbine_fmha.integrations import transformers as fmha_hf
 
-        sdpa = small_llama(args.seed, args.layers)
+        where = "cuda" if args.device == "cuda" else "cpu"
+        on = prompts.to(where)
+        sdpa = small_llama(args.seed, args.layers).to(where)
         sdpa.set_attn_implementation("sdpa")
-        ms_sdpa = _hf_step_ms(sdpa, prompts, args.new_tokens, DynamicCache)
-        paged = small_llama(args.seed, args.layers)
+        ms_sdpa = _hf_step_ms(sdpa, on, args.new_tokens, DynamicCache)
+        paged = small_llama(args.seed, args.layers).to(where)
         fmha_hf.enable(paged)
-        session = turbine_fmha.Session("cpu", compile_missing=True)
-        ms_paged = _hf_step_ms(paged, prompts, args.new_tokens, lambda: fmha_hf.PagedCache(session=session))
+        session = turbine_fmha.Session(where, artifact_dir=args.artifacts, compile_missing=where == "cpu")
+        ms_paged = _hf_step_ms(paged, on, args.new_tokens, lambda: fmha_hf.PagedCache(session=session))
         ms_ours = statistics.median(times) * 1e3
         print(
-            f"decode step, batch {args.batch}, median of {len(times)}: exported program {ms_ours:.2f} ms, "
-            f"HF + turbine_fmha per layer {ms_paged:.2f} ms, HF sdpa {ms_sdpa:.2f} ms"
+            f"decode step on {args.device}, batch {args.batch}, median of {len(times)}: exported program "
+            f"{ms_ours:.2f} ms, HF + turbine_fmha per layer {ms_paged:.2f} ms, HF sdpa {ms_sdpa:.2f} ms"
         )
     return 0 if same else 1
 
