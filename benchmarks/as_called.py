@@ -533,8 +533,13 @@ def bench_row(session, case: Case, args) -> dict:
     per_name = dict.fromkeys(fns, calls)
     if case.device != "cpu":
         # The device column holds every queued kernel call's buffers until
-        # its one wait: keep them within that pool too.
-        per_name["device"] = max(1, min(calls, 128 // len(loop.steps)))
+        # its one wait. IREE's CUDA pool retains at most 256 buffers and 2
+        # GiB, and never evicts: 128 calls in flight filled it with this
+        # row's sizes, and the later rows' run() calls then paid a plain
+        # cuMemAlloc and a device-synchronizing cuMemFree per buffer (the
+        # prefill 4096 at 4.1-4.4 ms of device time instead of 2.6;
+        # docs/devlog/perf-notes.md). 32 calls keep them well inside it.
+        per_name["device"] = max(1, min(calls, 32 // len(loop.steps)))
     res = timed_rounds(fns, syncs, per_name, args.rounds, args.warmup_s)
     ms = {k_: round(m, 4) for k_, (m, _) in res.items()}
     bound = BOUND[case.dtype]
@@ -1119,6 +1124,9 @@ def main() -> int:
         for i, sh in enumerate(shapes):
             for arrays in arrays_kinds:
                 case = make_case(sh, arrays, args.dtype, args.device, args.seed + i)
+                if args.device != "cpu":
+                    # Each row from an empty pool, as in a fresh process.
+                    session.device_of().allocator.trim()
                 try:
                     row = bench_row(session, case, args)
                 except Exception as e:  # the row fails, the others still run (a GPU lease is short)
