@@ -174,3 +174,29 @@ def test_a_session_alone_picks_the_device(two_gpus, call):
         _calls_with_a_session_only()[call](s1)
     with pytest.raises(ValueError, match="session is for device 'cuda:1', call asked for 'cpu'"):
         turbine_fmha.fmha_fwd_paged(*(np.zeros(1),) * 5, session=s1, device="cpu")
+
+
+def test_trim_returns_the_pool_and_opens_nothing(two_gpus):
+    """Session.trim() empties the pool of the session's own GPU (the device
+    opened for it), and opens no device that was never used."""
+    s0, s1 = turbine_fmha.Session("cuda:0"), turbine_fmha.Session("cuda:1")
+    s1.trim()
+    assert two_gpus.opened == []
+    trimmed = []
+    device = s1.device_of()
+
+    class Allocator:
+        def trim(self):
+            trimmed.append("cuda:1")
+
+    class Device:  # the stand-in device's allocator, watched
+        allocator = Allocator()
+
+    session_mod._CONFIGS[("cuda", 1)].device = Device()
+    try:
+        s1.trim()
+        s0.trim()  # cuda:0 never opened: nothing
+    finally:
+        session_mod._CONFIGS[("cuda", 1)].device = device
+    assert trimmed == ["cuda:1"] and two_gpus.opened == ["cuda://1"]
+    turbine_fmha.Session("cpu").trim()  # the CPU device: IREE's trim, a no-op there

@@ -290,6 +290,18 @@ class Session(VariantSelection, DeviceInterop):
         """The IREE HAL device this session runs on."""
         return self._iree_config().device
 
+    def trim(self) -> None:
+        """Returns the device buffers that the device's pool keeps for reuse
+        (IREE's caching allocator on CUDA, shared by every session on that
+        GPU) to the GPU. The pool keeps at most 256 buffers and never
+        evicts: after a burst of calls queued at once, it can hold only
+        that burst's sizes, and every buffer of another size is then a
+        synchronous allocation and free. Buffers in use are untouched; a
+        device never opened is not opened."""
+        config = _CONFIGS.get((self.target.driver, self.ordinal))
+        if config is not None:
+            config.device.allocator.trim()
+
     @property
     def last_variant(self) -> Variant | None:
         """The variant that served this thread's latest kernel call."""
