@@ -4,8 +4,8 @@
 Builds a small Llama (random weights, nothing downloaded) and a torch
 module that runs its forward over a paged KV cache: for each layer the
 projections and rotary embedding (HF's own modules), the cache write
-(`index_copy_` into the layer's pages, which the export keeps as mutable
-globals of the program), `turbine_fmha.fmha_fwd_paged` (the paged kernel,
+(`turbine_fmha.reshape_and_cache` into the layer's pages, which the
+export keeps as mutable globals of the program), `turbine_fmha.fmha_fwd_paged` (the paged kernel,
 inside the program) and the MLP. `iree.turbine.aot.export` exports it
 once, with dynamic batch, rows and table width, so one program serves
 both phases: a prefill of the prompts' rows and a decode of one row per
@@ -99,9 +99,7 @@ class PagedDecoder(torch.nn.Module):
             v = attn.v_proj(x).view(b, s, self.hk, self.d)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k_cache, v_cache = getattr(self, f"k_cache{i}"), getattr(self, f"v_cache{i}")
-            rows = k_cache.shape[0] * PAGE
-            k_cache.view(rows, self.hk, self.d).index_copy_(0, flat, k.transpose(1, 2).reshape(b * s, self.hk, self.d))
-            v_cache.view(rows, self.hk, self.d).index_copy_(0, flat, v.reshape(b * s, self.hk, self.d))
+            turbine_fmha.reshape_and_cache(k.transpose(1, 2), v, k_cache, v_cache, flat)
             out = turbine_fmha.fmha_fwd_paged(
                 q.transpose(1, 2).contiguous(), k_cache, v_cache, block_table, seqlen_k, causal=True
             )

@@ -136,15 +136,135 @@ def test_what_an_export_does_not_take_is_refused_by_name(kw, words):
     assert words in str(strict.value.__cause__)
 
 
+class WriteThenAttend(torch.nn.Module):
+    """A layer's step: its new K/V rows written into the caches (the
+    module's buffers, which the export keeps as mutable globals) by
+    reshape_and_cache, then the attention over them."""
+
+    def __init__(self, k_cache, v_cache, kv_layout):
+        super().__init__()
+        self.register_buffer("k_cache", torch.from_numpy(k_cache))
+        self.register_buffer("v_cache", torch.from_numpy(v_cache))
+        self.kv_layout = kv_layout
+
+    def forward(self, k, v, slots, q, block_table, seqlen_k):
+        turbine_fmha.reshape_and_cache(k, v, self.k_cache, self.v_cache, slots, kv_layout=self.kv_layout)
+        return turbine_fmha.fmha_fwd_paged(
+            q, self.k_cache, self.v_cache, block_table, seqlen_k, kv_layout=self.kv_layout, causal=True
+        )
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_exported_reshape_and_cache_then_attention(rng, kv_layout):
+    """Two calls of one program (dynamic token count): each writes new rows
+    at fresh slots into caches that start as garbage, and the attention of
+    each sees the rows written so far, against the float64 reference over
+    caches written the same way in numpy."""
+    import iree.compiler as ic
+    import iree.runtime as rt
+
+    pages, page, hk, hq, d = 6, 16, 2, 4, 32
+    nhd = (pages, page, hk, d)
+    k_ref = rng.standard_normal(nhd).astype(np.float32) * 50  # garbage the calls must not read
+    v_ref = rng.standard_normal(nhd).astype(np.float32) * 50
+    to_layout = (lambda a: a) if kv_layout == "NHD" else (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+    table = np.array([[4, 1], [0, 5]], np.int32)  # two sequences of two pages each, out of order
+    module = WriteThenAttend(to_layout(k_ref), to_layout(v_ref), kv_layout)
+    tokens = torch.export.Dim("tokens")
+    rows = torch.export.Dim("rows")
+
+    def step(lengths, new):
+        """(k, v, slots, q, table, seqlen_k) writing `new` rows per sequence after `lengths`."""
+        pos = np.array(lengths)[:, None] + np.arange(new)[None, :]
+        slots = (np.take_along_axis(table, pos // page, 1) * page + pos % page).reshape(-1).astype(np.int64)
+        k = rng.standard_normal((2 * new, hk, d)).astype(np.float32)
+        v = rng.standard_normal((2 * new, hk, d)).astype(np.float32)
+        q = rng.standard_normal((2, new, hq, d)).astype(np.float32)
+        return k, v, slots, q, table, (np.array(lengths) + new).astype(np.int32)
+
+    first = step([0, 0], 9)
+    dims = [{0: tokens}, {0: tokens}, {0: tokens}, {1: rows}, None, None]
+    exported = aot.export(module, args=tuple(torch.from_numpy(a) for a in first), dynamic_shapes=dims)
+    vmfb = ic.compile_str(
+        str(exported.mlir_module), target_backends=["llvm-cpu"], extra_args=["--iree-llvmcpu-target-cpu=host"]
+    )
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    main = ctx.modules.module["main"]
+    for args in (first, step([9, 9], 12)):  # the second call's rows cross into each sequence's next page
+        k, v, slots, q, bt, seqlen_k = args
+        k_ref.reshape(-1, hk, d)[slots] = k
+        v_ref.reshape(-1, hk, d)[slots] = v
+        out = main(*args).to_host().astype(np.float64)
+        ref = fmha_fwd_paged_ref(q, k_ref, v_ref, bt, seqlen_k, mask_type="bottom_right", window_size_right=0)[0]
+        assert np.abs(out - ref).max() / np.abs(ref).max() <= OUT_TOL["f32"]
+
+
+class KVCacheAttention(torch.nn.Module):
+    def forward(self, q, k_cache, v_cache, seqlen_k, cache_batch_idx):
+        return turbine_fmha.fmha_fwd_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlen_k, cache_batch_idx=cache_batch_idx, causal=True
+        )
+
+
+def test_exported_fmha_fwd_kvcache(rng):
+    """Non-paged caches (96 rows: viewed as 32-row pages) with rows picked
+    by cache_batch_idx, dynamic batch and cache count; the rows past each
+    sequence's length hold NaN."""
+    from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+
+    hq, hk, d, rows = 4, 2, 32, 96
+
+    def problem(batch, caches):
+        q = rng.standard_normal((batch, 3, hq, d)).astype(np.float16)
+        k = rng.standard_normal((caches, rows, hk, d)).astype(np.float16)
+        v = rng.standard_normal((caches, rows, hk, d)).astype(np.float16)
+        sk = rng.integers(3, rows + 1, batch).astype(np.int32)
+        idx = rng.permutation(caches)[:batch].astype(np.int32)
+        for b in range(batch):
+            k[idx[b], sk[b] :] = np.nan
+            v[idx[b], sk[b] :] = np.nan
+        return q, k, v, sk, idx
+
+    b, c = torch.export.Dim("batch"), torch.export.Dim("caches")
+    example = problem(2, 3)
+    dims = [{0: b}, {0: c}, {0: c}, {0: b}, {0: b}]
+    main = _compiled(KVCacheAttention(), example, dims)
+    for batch, caches in ((2, 3), (4, 7)):
+        q, k, v, sk, idx = problem(batch, caches)
+        out = main(q, k, v, sk, idx).to_host().astype(np.float64)
+        # The reference over the same rows as pages of the whole row.
+        ref = fmha_fwd_paged_ref(q, k, v, idx[:, None], sk, mask_type="bottom_right", window_size_right=0)[0]
+        assert np.abs(out - ref).max() / np.abs(ref).max() <= OUT_TOL["f16"]
+
+
 def test_other_public_functions_refuse_export():
-    class Write(torch.nn.Module):
-        def forward(self, k, k_cache, slots):
-            turbine_fmha.reshape_and_cache(k, k, k_cache, k_cache, slots)
+    class Flash(torch.nn.Module):
+        def forward(self, q, k_cache):
+            return turbine_fmha.flash_attn_with_kvcache(q, k_cache, k_cache)
+
+    args = (torch.zeros(2, 1, 2, 64, dtype=torch.float16), torch.zeros(2, 16, 2, 64, dtype=torch.float16))
+    with pytest.raises(
+        NotImplementedError, match="flash_attn_with_kvcache inside an exported program is not supported"
+    ):
+        aot.export(Flash(), args=args, strict_export=False)
+
+
+def test_exported_reshape_and_cache_refuses_what_it_does_not_take():
+    class Rotate(torch.nn.Module):
+        def forward(self, k, k_cache, slots, cos):
+            turbine_fmha.reshape_and_cache(k, k, k_cache, k_cache, slots, rotary_cos=cos, rotary_sin=cos)
             return k_cache
 
-    args = (torch.zeros(2, 2, 64, dtype=torch.float16), torch.zeros(4, 16, 2, 64, dtype=torch.float16))
-    with pytest.raises(NotImplementedError, match="reshape_and_cache inside an exported program is not supported"):
-        aot.export(Write(), args=(*args, torch.zeros(2, dtype=torch.int64)), strict_export=False)
+    args = (
+        torch.zeros(2, 2, 64, dtype=torch.float16),
+        torch.zeros(4, 16, 2, 64, dtype=torch.float16),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(8, 32, dtype=torch.float16),
+    )
+    with pytest.raises(NotImplementedError, match="rotary_cos is not supported by reshape_and_cache inside an export"):
+        aot.export(Rotate(), args=args, strict_export=False)
 
 
 def test_the_mlir_isinstance_fix():

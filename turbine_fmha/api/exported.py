@@ -184,3 +184,85 @@ def _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layou
         raise ValueError("seqlen_k must be a 1-D int32 tensor inside an exported program")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (nhead_q,)):
         raise ValueError(f"sinks must be a tensor [nhead_q] = [{nhead_q}]")
+
+
+# The page sizes a non-paged cache is viewed as, largest first (as eager
+# fmha_fwd_kvcache, less its check of which kernels a session holds).
+_KVCACHE_PAGES = (128, 64, 32, 16, 1)
+
+
+def call_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, cache_batch_idx=None, **kw):
+    """fmha_fwd_kvcache while exporting: the non-paged caches [batch_cache,
+    max_seqlen_k, nhead_k, hdim] viewed, without a copy, as pages of the
+    largest of 128, 64, 32, 16 and 1 rows that divides max_seqlen_k (which
+    must be static), with the block table that walks row cache_batch_idx[b]
+    (default b), then call_paged."""
+    for name, paged in (("v_layout", "row"), ("kv_layout", "NHD")):
+        if kw.get(name, paged) != paged:
+            raise ValueError(f"{name}={kw[name]!r} is supported for paged caches only (fmha_fwd_paged)")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D torch tensor [batch_cache, max_seqlen_k, nhead_k, hdim]")
+    if cache_seqlens is not None:
+        if seqlen_k is not None:
+            raise ValueError("seqlen_k and cache_seqlens are the same argument (cache_seqlens is flash-attn's name)")
+        seqlen_k = cache_seqlens
+    rows = k_cache.shape[1]
+    if not isinstance(rows, int):
+        raise NotImplementedError(
+            "k_cache's dim 1 (max_seqlen_k) must be static inside an exported program: it sets the page size"
+        )
+    if tuple(v_cache.shape[:2]) != tuple(k_cache.shape[:2]):
+        raise ValueError(f"v_cache's first two dims {tuple(v_cache.shape[:2])} must equal k_cache's")
+    page = next(p for p in _KVCACHE_PAGES if rows % p == 0)
+    per = rows // page
+    batch = q.shape[0]
+    if seqlen_k is None:
+        seqlen_k = rows
+    if isinstance(seqlen_k, int):
+        seqlen_k = torch.full((batch,), seqlen_k, dtype=torch.int32)
+    rows_of = torch.arange(batch, dtype=torch.int32) if cache_batch_idx is None else cache_batch_idx.to(torch.int32)
+    table = rows_of[:, None] * per + torch.arange(per, dtype=torch.int32)[None, :]
+
+    def paged(c):
+        return c.reshape(c.shape[0] * per, page, c.shape[2], c.shape[3])
+
+    return call_paged(q, paged(k_cache), paged(v_cache), table, seqlen_k, **kw)
+
+
+def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", **others):
+    """reshape_and_cache while exporting: k and v ([tokens, nhead_k, hdim]
+    or [batch, seqlen_new, ...]) written in place into the caches' rows at
+    slot_mapping (page * page_block_size + row) as torch index writes, which
+    the export keeps (into the caches' globals when they are the module's
+    buffers). A program cannot check values: every slot must be a row of
+    the caches (vLLM's -1, skip this token, is not supported here), and
+    distinct, as the eager call checks."""
+    for name, value in others.items():
+        if name not in ("session", "device") and value is not None and value is not False:
+            raise NotImplementedError(
+                f"{name} is not supported by reshape_and_cache inside an exported program yet (k, v, the "
+                "caches, slot_mapping and kv_layout are)"
+            )
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor inside an exported program, got {type(t).__name__}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    heads, page_dim = (2, 1) if kv_layout == "NHD" else (1, 2)
+    slots = slot_mapping.reshape(-1).to(torch.int64)
+    page = k_cache.shape[page_dim]
+    for name, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if cache.dim() != 4:
+            raise ValueError(f"{name}_cache must have 4 dims, got {cache.dim()}")
+        if rows.dtype != cache.dtype:
+            raise TypeError(f"{name} must be {cache.dtype} like {name}_cache (values are never cast), got {rows.dtype}")
+        flat = rows.reshape(-1, cache.shape[heads], cache.shape[3])
+        if kv_layout == "NHD":
+            cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots, flat)
+        else:
+            heads_idx = torch.arange(cache.shape[1])[None, :]
+            cache.index_put_(((slots // page)[:, None], heads_idx, (slots % page)[:, None]), flat)
+    return None

@@ -29,7 +29,8 @@ def _routed(fn, route: str, exported: str | None = None):
         if exporting():
             if exported is None:
                 raise NotImplementedError(
-                    f"{fn.__name__} inside an exported program is not supported yet (fmha_fwd_paged is: "
+                    f"{fn.__name__} inside an exported program is not supported yet (fmha_fwd_paged, "
+                    "fmha_fwd_kvcache and reshape_and_cache are: "
                     "docs/user-guide.md, 'Inside exported programs')"
                 )
             from . import exported as exported_impl  # imports torch and iree-turbine
@@ -45,6 +46,6 @@ def _routed(fn, route: str, exported: str | None = None):
 
 
 fmha_fwd_paged = _routed(eager.fmha_fwd_paged, "call_paged", "call_paged")
-fmha_fwd_kvcache = _routed(eager.fmha_fwd_kvcache, "call_kvcache")
-reshape_and_cache = _routed(kv_write.reshape_and_cache, "call_reshape_and_cache")
+fmha_fwd_kvcache = _routed(eager.fmha_fwd_kvcache, "call_kvcache", "call_kvcache")
+reshape_and_cache = _routed(kv_write.reshape_and_cache, "call_reshape_and_cache", "call_reshape_and_cache")
 flash_attn_with_kvcache = _routed(flash_attn.flash_attn_with_kvcache, "call_flash_attn")
