@@ -293,3 +293,52 @@ def test_the_export_knows_every_argument_of_the_eager_call():
 
     taken = set(inspect.signature(exported.call_paged).parameters) - {"others"}
     assert set(inspect.signature(eager.fmha_fwd_paged).parameters) == taken | set(exported._UNSUPPORTED)
+
+
+@pytest.mark.parametrize("batch", [3, 9, 130])
+def test_exported_online_decode_with_static_batch(rng, batch):
+    """export_options(formulation="online"): a static-batch decode runs the
+    online kernel of the runtime's batch tile (3 -> one launch of tile 8,
+    9 -> tile 32, 130 -> launches of 128 and 128), the batch padded in the
+    program; kv_rows_finite=True picks the guard-free kernel. Against the
+    float64 reference, garbage in unused slots; NaN in unused pages where
+    the guard runs."""
+    from turbine_fmha.kernels.variants import decode_batch_tile
+
+    shape = dict(dtype="f16", seqlen_q=1, nhead_q=4, nhead_k=2, hdim=32, page=16)
+    seqlens = rng.integers(1, 70, batch).tolist()
+    for finite in (None, True):
+        prob = make_problem(rng, batch=batch, seqlens_k=seqlens, extra_slots=2, **shape)
+        if finite:  # the guard-free kernel's precondition: every page finite
+            prob = (prob[0], np.nan_to_num(prob[1]), np.nan_to_num(prob[2]), *prob[3:])
+        module = Attention(kv_rows_finite=finite)
+        with turbine_fmha.export_options(formulation="online"):
+            exported = aot.export(module, args=tuple(_numpy_to_torch(a) for a in prob))
+        text = str(exported.mlir_module)
+        tile = decode_batch_tile(batch)
+        assert f"_online_b{tile}_q1_{'nvguard_' if finite else ''}m" in text
+        assert "_explicit" not in text
+        import iree.compiler as ic
+        import iree.runtime as rt
+
+        vmfb = ic.compile_str(
+            text,
+            target_backends=["llvm-cpu"],
+            extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"],
+        )
+        config = rt.Config("local-task")
+        ctx = rt.SystemContext(config=config)
+        ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+        _check(ctx.modules.module["main"], prob, "f16")
+
+
+def test_online_export_refuses_what_it_does_not_take():
+    with turbine_fmha.export_options(formulation="online"):
+        b = torch.export.Dim("batch")
+        dims = [{0: b}, None, None, {0: b}, {0: b}]
+        with pytest.raises(NotImplementedError, match="decodes \\(seqlen_q 1\\) of a static batch"):
+            aot.export(Attention(), args=_example(), dynamic_shapes=dims, strict_export=False)
+    with pytest.raises(ValueError, match="formulation must be one of"):
+        with turbine_fmha.export_options(formulation="fast"):
+            pass
+    assert "_explicit" in str(aot.export(Attention(), args=_example()).mlir_module)  # the block ended

@@ -10,7 +10,7 @@ testing, runtime, api, integrations, cli (docs/architecture.md).
 from .api.attention import PagedAttention
 from .api.cache import CacheFullError, PagedKVCache, aligned_zeros
 from .api.eager import fmha_fwd_paged_async
-from .api.public import flash_attn_with_kvcache, fmha_fwd_kvcache, fmha_fwd_paged, reshape_and_cache
+from .api.public import export_options, flash_attn_with_kvcache, fmha_fwd_kvcache, fmha_fwd_paged, reshape_and_cache
 from .build.artifacts import ArtifactError
 from .core.version import VERSION as __version__
 from .kernels.variants import Variant
@@ -32,4 +32,5 @@ __all__ = [
     "ArtifactError",
     "aligned_zeros",
     "fmha_fwd_paged_ref",
+    "export_options",
 ]

@@ -21,6 +21,7 @@ tensors: the exported program trusts its caller as the kernels' ABI says
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -30,7 +31,7 @@ from ..core.checks import check_float
 from ..kernels import custom_ops
 from ..kernels.signature import fwd_attrs
 from ..kernels.turbine_compat import ensure_mlir_isinstance
-from ..kernels.variants import Variant
+from ..kernels.variants import Variant, decode_batch_tile, online_unsupported, online_variant
 from .conventions import conventions
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,6 +41,34 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # iree-turbine lowers the op after tracing, with the bindings patched.
 ensure_mlir_isinstance()
 _FWD_EXPLICIT = custom_ops.torch_op(custom_ops.PagedKVFwdExplicit)
+_FWD_ONLINE = custom_ops.torch_op(custom_ops.PagedKVFwdOnline)
+
+FORMULATIONS = ("explicit", "online")
+# A plain dict, not a ContextVar: dynamo, which traces the calls while
+# exporting, reads a module's dict but cannot call ContextVar.get.
+_OPTIONS = {"formulation": "explicit"}
+
+
+@contextlib.contextmanager
+def export_options(*, formulation: str = "explicit"):
+    """The kernels that attention calls put into programs exported inside
+    this block. "explicit" (the default) compiles for every target and
+    takes dynamic shapes. "online" is the GPUs' faster formulation with
+    static tiles: for a decode (seqlen_q 1) of a static batch, the batch
+    tile the runtime would pick (the smallest of 8, 32, 64, 128 that holds
+    the batch, in launches of 128 beyond), the batch padded to it in the
+    program; the stale-row guard unless the call says kv_rows_finite=True.
+    Other calls under "online" raise NotImplementedError naming what
+    needs the explicit one."""
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    before = dict(_OPTIONS)
+    _OPTIONS["formulation"] = formulation
+    try:
+        yield
+    finally:
+        _OPTIONS.update(before)
+
 
 # Arguments the exported attention does not take yet, each with the value
 # that means "not used".
@@ -130,22 +159,74 @@ def call_paged(
     )
     block_table, seqlen_k = block_table.to(torch.int32), seqlen_k.to(torch.int32)
     left, right = mask.kernel_sides
-    out, lse, _, _ = _FWD_EXPLICIT(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        torch.full_like(seqlen_k, q.shape[1]),  # batch mode: every sequence has all q's rows
-        seqlen_k,
-        torch.zeros_like(seqlen_k),  # kv_shift: no gappy KV
+    scalars = (
         torch.tensor([softmax, cap, 1.0, 1.0], dtype=torch.float32),
         torch.tensor([0, left, right, mask.sink], dtype=torch.int32),
         None,
         None,
         None if sinks is None else sinks.to(torch.float32),
-        *fwd_attrs(variant).values(),
     )
+    if _OPTIONS["formulation"] == "online":
+        out, lse = _online_decode(variant, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite)
+    else:
+        out, lse, _, _ = _FWD_EXPLICIT(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            torch.full_like(seqlen_k, q.shape[1]),  # batch mode: every sequence has all q's rows
+            seqlen_k,
+            torch.zeros_like(seqlen_k),  # kv_shift: no gappy KV
+            *scalars,
+            *fwd_attrs(variant).values(),
+        )
     return (out, lse) if return_lse else out
+
+
+def _online_decode(variant, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
+    """The online decode of a static batch: launches of the runtime's batch
+    tile, each padded to it with sequences of no keys that read the first
+    sequence's pages (finite, as the guard-free kernels require of every
+    page they read; docs/abi.md, finite_stale_rows)."""
+    batch = q.shape[0]
+    if not isinstance(batch, int) or q.shape[1] != 1:
+        raise NotImplementedError(
+            "export_options(formulation='online') takes decodes (seqlen_q 1) of a static batch; export this "
+            "call with the explicit formulation (the default), or declare its batch static"
+        )
+    problem = variant.problem
+    why = online_unsupported(problem, decode=True)
+    if why:
+        raise NotImplementedError(f"export_options(formulation='online'): {why}")
+    tile = decode_batch_tile(batch)
+    kernel = online_variant(problem, tile, 1, v_guard=not (kv_rows_finite is True and variant.v_layout == "row"))
+    outs, lses = [], []
+    for start in range(0, batch, tile):
+        n = min(tile, batch - start)
+
+        def padded(t, fill):
+            part = t[start : start + n]
+            if n == tile:
+                return part
+            return torch.cat([part, fill(tile - n, part)])
+
+        zeros = lambda k, part: torch.zeros((k, *part.shape[1:]), dtype=part.dtype)
+        first_row = lambda k, part: part[:1].expand(k, *part.shape[1:])
+        sk = padded(seqlen_k, zeros)
+        out, lse, _, _ = _FWD_ONLINE(
+            padded(q, zeros),
+            k_cache,
+            v_cache,
+            padded(block_table, first_row),
+            padded(torch.ones_like(seqlen_k), zeros),  # seqlen_q: 1, 0 for the padding
+            sk,
+            torch.zeros_like(sk),  # kv_shift: no gappy KV
+            *scalars,
+            *fwd_attrs(kernel).values(),
+        )
+        outs.append(out[:n])
+        lses.append(lse[:n])
+    return torch.cat(outs) if len(outs) > 1 else outs[0], torch.cat(lses) if len(lses) > 1 else lses[0]
 
 
 def _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layout) -> None:

@@ -49,3 +49,13 @@ fmha_fwd_paged = _routed(eager.fmha_fwd_paged, "call_paged", "call_paged")
 fmha_fwd_kvcache = _routed(eager.fmha_fwd_kvcache, "call_kvcache", "call_kvcache")
 reshape_and_cache = _routed(kv_write.reshape_and_cache, "call_reshape_and_cache", "call_reshape_and_cache")
 flash_attn_with_kvcache = _routed(flash_attn.flash_attn_with_kvcache, "call_flash_attn")
+
+
+def export_options(*, formulation: str = "explicit"):
+    """A context manager: the kernels that attention calls put into the
+    programs exported inside it ("explicit", the default, or "online" for
+    static-batch decodes on GPUs); docs/user-guide.md, "Inside exported
+    programs". Imports torch and iree-turbine when entered."""
+    from . import exported  # imports torch and iree-turbine
+
+    return exported.export_options(formulation=formulation)

@@ -354,6 +354,14 @@ def group_rows_for(problem: dict, seqlen_q_tile: int) -> int:
     return MMA_ROWS if pad else 0
 
 
+def decode_batch_tile(batch: int, merge: int = 0) -> int:
+    """The batch tile of an online decode of `batch` sequences (or entries,
+    merging `merge` split-KV partials per sequence): the smallest that
+    holds the batch in one launch, else the largest."""
+    tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(t for t, n in MERGED_DECODE_TILES if n == merge)
+    return next((t for t in tiles if t >= batch), tiles[-1])
+
+
 def online_variant(problem: dict, batch_tile: int, seqlen_q_tile: int, **fields) -> Variant:
     """The online variant serving `problem` with these tiles, its GQA group
     padded by group_rows_for."""

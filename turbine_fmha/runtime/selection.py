@@ -10,8 +10,8 @@ from ..kernels.variants import (
     GPU_DECODE_TILES,
     GPU_PREFILL_TILE,
     MERGE_SPLITS,
-    MERGED_DECODE_TILES,
     Variant,
+    decode_batch_tile,
     group_of,
     online_unsupported,
     online_variant,
@@ -204,10 +204,6 @@ class VariantSelection:
             # Run-time head counts cost the CPU kernels little (docs/perf-
             # notes.md), and one compile then serves every model of the group.
             return Variant(**runtime_heads(problem))
-        # Decode: the smallest batch tile that holds the batch in one launch.
-        tiles = (
-            [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(t for t, n in MERGED_DECODE_TILES if n == merge)
-        )
-        bt, mq = (next((t for t in tiles if t >= batch), tiles[-1]), 1) if seqlen_q == 1 else GPU_PREFILL_TILE
+        bt, mq = (decode_batch_tile(batch, merge), 1) if seqlen_q == 1 else GPU_PREFILL_TILE
         guard = not (stale_rows_finite and problem["v_layout"] == "row")
         return online_variant(problem, bt, mq, v_guard=guard, merge_splits=merge)
