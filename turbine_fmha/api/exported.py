@@ -11,8 +11,10 @@ the variant (dtype, head counts, head dims, page size, page layout, mask,
 score terms), and the scalars the kernel takes (scale, soft-cap, window
 sides). Batch, page count and table width stay dynamic where the export
 declares them so. The kernel is the explicit formulation, which every
-target compiles (IREE's GPU code for it is slower than the online one the
-runtime picks on GPUs; docs/user-guide.md, "Inside exported programs").
+target compiles, or under export_options(formulation="online") the GPUs'
+online kernel for a decode of a static batch, in the runtime's batch tile
+(docs/user-guide.md, "Inside exported programs"). fmha_fwd_kvcache and
+reshape_and_cache are here too.
 
 Checks that need values (the tables' contents) cannot run on traced
 tensors: the exported program trusts its caller as the kernels' ABI says
