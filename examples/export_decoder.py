@@ -14,6 +14,11 @@ and numpy alone (the host keeps only the block table and the slots).
 Greedy generation must give HF eager's tokens in float32 (exit status 1
 otherwise).
 
+--formulation online exports two functions of one module instead, for a
+static --batch: `prefill` (the explicit kernel, any row count) and
+`decode`, whose attention is the GPUs' online kernel
+(turbine_fmha.export_options); they share the caches.
+
 --time also times a decode step as called, back to back: the exported
 program, HF with turbine_fmha's per-layer path (PagedCache), and HF's own
 `sdpa` attention, in the same process.
@@ -123,30 +128,53 @@ TARGETS = {
 }
 
 
-def compile_program(model: LlamaForCausalLM, num_pages: int, device: str = "cpu") -> bytes:
-    """The decoder step exported with `iree.turbine.aot.export` and compiled
-    for `device`: a vmfb whose `main(tokens, positions, slots, block_table,
-    seqlen_k)` returns the logits. The weights and caches are the program's
-    parameters (scope "model"), named as in the module's state_dict: the
-    vmfb holds no weights, and whoever loads it supplies them
-    (load_program)."""
+def _example(batch: int, rows: int) -> tuple:
+    # Distinct tensors: torch.export ties inputs that are one tensor.
+    return (
+        torch.zeros(batch, rows, dtype=torch.int64),
+        torch.zeros(batch, rows, dtype=torch.int64),
+        torch.zeros(batch, rows, dtype=torch.int64),
+        torch.zeros(batch, 4, dtype=torch.int32),
+        torch.ones(batch, dtype=torch.int32),
+    )
+
+
+def compile_program(
+    model: LlamaForCausalLM, num_pages: int, device: str = "cpu", formulation: str = "explicit", batch: int = 0
+) -> bytes:
+    """The decoder step exported with iree-turbine and compiled for
+    `device`. With the explicit formulation: a vmfb whose `main(tokens,
+    positions, slots, block_table, seqlen_k)` returns the logits, for any
+    batch and row count. With "online": two functions of one module that
+    share its caches, `prefill` (any row count, the explicit kernel) and
+    `decode` (one row, the GPUs' online kernel), both for `batch`
+    sequences. The weights and caches are the program's parameters (scope
+    "model"), named as in the module's state_dict: the vmfb holds no
+    weights, and whoever loads it supplies them (load_program)."""
     import iree.compiler as ic
     from iree.turbine import aot
 
-    batch, rows, width = torch.export.Dim("batch"), torch.export.Dim("rows"), torch.export.Dim("width")
-    # Distinct example tensors: torch.export ties inputs that are one tensor.
-    example = (
-        torch.zeros(2, 3, dtype=torch.int64),
-        torch.zeros(2, 3, dtype=torch.int64),
-        torch.zeros(2, 3, dtype=torch.int64),
-        torch.zeros(2, 4, dtype=torch.int32),
-        torch.ones(2, dtype=torch.int32),
-    )
-    dims = [{0: batch, 1: rows}, {0: batch, 1: rows}, {0: batch, 1: rows}, {0: batch, 1: width}, {0: batch}]
     module = PagedDecoder(model, num_pages)
     aot.externalize_module_parameters(module, external_scope="model")
+    rows, width = torch.export.Dim("rows"), torch.export.Dim("width")
     with torch.no_grad():
-        exported = aot.export(module, args=example, dynamic_shapes=dims)
+        if formulation == "explicit":
+            b = torch.export.Dim("batch")
+            dims = [{0: b, 1: rows}, {0: b, 1: rows}, {0: b, 1: rows}, {0: b, 1: width}, {0: b}]
+            exported = aot.export(module, args=_example(2, 3), dynamic_shapes=dims)
+        else:
+            fxb = aot.FxProgramsBuilder(module)
+            names = ("tokens", "positions", "slots", "block_table", "seqlen_k")
+
+            def step(m, tokens, positions, slots, block_table, seqlen_k):
+                return m.forward(tokens, positions, slots, block_table, seqlen_k)
+
+            many = dict(zip(names, [{1: rows}, {1: rows}, {1: rows}, {1: width}, None]))
+            fxb.export_program(step, name="prefill", args=_example(batch, 3), dynamic_shapes=many, strict=False)
+            one = dict(zip(names, [None, None, None, {1: width}, None]))
+            with turbine_fmha.export_options(formulation=formulation):
+                fxb.export_program(step, name="decode", args=_example(batch, 1), dynamic_shapes=one, strict=False)
+            exported = aot.export(fxb)
     return ic.compile_str(str(exported.mlir_module), extra_args=TARGETS[device][1])
 
 
@@ -168,19 +196,26 @@ def load_program(vmfb: bytes, model: LlamaForCausalLM, num_pages: int, device: s
             index.add_buffer(name, array)
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.create_io_parameters_module(config.vm_instance, index.create_provider(scope="model")))
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    main = ctx.modules.module["main"]
+    vm_module = rt.VmModule.copy_buffer(config.vm_instance, vmfb)
+    ctx.add_vm_module(vm_module)
+    module = ctx.modules.module
+    two = "decode" in vm_module.function_names
 
     def program(*arrays):
-        return main(*arrays).to_host()
+        # main serves every call; a two-function program, decode its
+        # one-row calls and prefill the rest.
+        if not two:
+            return module["main"](*arrays).to_host()
+        return module["decode" if arrays[0].shape[1] == 1 else "prefill"](*arrays).to_host()
 
     program.weights = weights
     return program
 
 
-def export_program(model: LlamaForCausalLM, num_pages: int, device: str = "cpu"):
+def export_program(model: LlamaForCausalLM, num_pages: int, device: str = "cpu", formulation="explicit", batch=0):
     """compile_program then load_program, in one process."""
-    return load_program(compile_program(model, num_pages, device), model, num_pages, device)
+    vmfb = compile_program(model, num_pages, device, formulation, batch)
+    return load_program(vmfb, model, num_pages, device)
 
 
 class Pages:
@@ -254,6 +289,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=sorted(TARGETS), default="cpu", help="where the program runs")
+    ap.add_argument(
+        "--formulation",
+        choices=["explicit", "online"],
+        default="explicit",
+        help="online: a prefill and a decode function for --batch, the decode on the GPUs' online kernel",
+    )
     ap.add_argument("--save", metavar="VMFB", help="compile for --device, write the program here and stop")
     ap.add_argument("--vmfb", help="run this program (from --save with the same model flags) instead of exporting")
     ap.add_argument("--artifacts", help="--time on cuda: the per-layer path's kernels (turbine-fmha build)")
@@ -267,7 +308,7 @@ def main() -> int:
     if args.vmfb:
         vmfb = Path(args.vmfb).read_bytes()
     else:
-        vmfb = compile_program(model, num_pages, args.device)
+        vmfb = compile_program(model, num_pages, args.device, args.formulation, args.batch)
         print(f"exported and compiled for {args.device} in {time.perf_counter() - t0:.1f} s")
     if args.save:
         Path(args.save).write_bytes(vmfb)
@@ -281,6 +322,7 @@ def main() -> int:
     print("exported :", ours[:, args.prompt_len :].tolist())
     same = np.array_equal(hf, ours)
     print("tokens identical" if same else "TOKENS DIFFER")
+    print(f"exported program ({args.formulation}): decode step median {statistics.median(times) * 1e3:.2f} ms")
     if args.time:
         from transformers import DynamicCache
 
@@ -298,6 +340,7 @@ def main() -> int:
         ms_ours = statistics.median(times) * 1e3
         print(
             f"decode step on {args.device}, batch {args.batch}, median of {len(times)}: exported program "
+            f"({args.formulation}) "
             f"{ms_ours:.2f} ms, HF + turbine_fmha per layer {ms_paged:.2f} ms, HF sdpa {ms_sdpa:.2f} ms"
         )
     return 0 if same else 1
