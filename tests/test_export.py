@@ -300,9 +300,10 @@ def test_exported_online_decode_with_static_batch(rng, batch):
     """export_options(formulation="online"): a static-batch decode runs the
     online kernel of the runtime's batch tile (3 -> one launch of tile 8,
     9 -> tile 32, 130 -> launches of 128 and 128), the batch padded in the
-    program; kv_rows_finite=True picks the guard-free kernel. Against the
-    float64 reference, garbage in unused slots; NaN in unused pages where
-    the guard runs."""
+    program; kv_rows_finite=True picks the guard-free kernel; a causal
+    decode runs the mask-free kernel (its row sees every key), as the
+    runtime does. Against the float64 reference, garbage in unused slots;
+    NaN in unused pages where the guard runs."""
     from turbine_fmha.kernels.variants import decode_batch_tile
 
     shape = dict(dtype="f16", seqlen_q=1, nhead_q=4, nhead_k=2, hdim=32, page=16)
@@ -311,12 +312,12 @@ def test_exported_online_decode_with_static_batch(rng, batch):
         prob = make_problem(rng, batch=batch, seqlens_k=seqlens, extra_slots=2, **shape)
         if finite:  # the guard-free kernel's precondition: every page finite
             prob = (prob[0], np.nan_to_num(prob[1]), np.nan_to_num(prob[2]), *prob[3:])
-        module = Attention(kv_rows_finite=finite)
+        module = Attention(kv_rows_finite=finite, causal=not finite)
         with turbine_fmha.export_options(formulation="online"):
             exported = aot.export(module, args=tuple(_numpy_to_torch(a) for a in prob))
         text = str(exported.mlir_module)
         tile = decode_batch_tile(batch)
-        assert f"_online_b{tile}_q1_{'nvguard_' if finite else ''}m" in text
+        assert f"_nmask_lse_online_b{tile}_q1_{'nvguard_' if finite else ''}m" in text
         assert "_explicit" not in text
         import iree.compiler as ic
         import iree.runtime as rt
@@ -329,7 +330,8 @@ def test_exported_online_decode_with_static_batch(rng, batch):
         config = rt.Config("local-task")
         ctx = rt.SystemContext(config=config)
         ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-        _check(ctx.modules.module["main"], prob, "f16")
+        causal = {} if finite else dict(mask_type="bottom_right", window_size_right=0)
+        _check(ctx.modules.module["main"], prob, "f16", **causal)
 
 
 def test_online_export_refuses_what_it_does_not_take():

@@ -169,7 +169,7 @@ def call_paged(
         None if sinks is None else sinks.to(torch.float32),
     )
     if _OPTIONS["formulation"] == "online":
-        out, lse = _online_decode(variant, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite)
+        out, lse = _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite)
     else:
         out, lse, _, _ = _FWD_EXPLICIT(
             q,
@@ -185,7 +185,7 @@ def call_paged(
     return (out, lse) if return_lse else out
 
 
-def _online_decode(variant, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
+def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
     """The online decode of a static batch: launches of the runtime's batch
     tile, each padded to it with sequences of no keys that read the first
     sequence's pages (finite, as the guard-free kernels require of every
@@ -197,6 +197,10 @@ def _online_decode(variant, q, k_cache, v_cache, block_table, seqlen_k, scalars,
             "call with the explicit formulation (the default), or declare its batch static"
         )
     problem = variant.problem
+    if not mask.decode_needs_mask(alibi=False):
+        # As the runtime does (attention._Plan._key): the last row sees
+        # every key, and the GPU sets' decode tiles are the mask-free ones.
+        problem = dict(problem, mask="none")
     why = online_unsupported(problem, decode=True)
     if why:
         raise NotImplementedError(f"export_options(formulation='online'): {why}")
