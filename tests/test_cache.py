@@ -339,6 +339,79 @@ def test_device_pool_without_host_mirror(explicit_session, rng):
     assert nan_page in cache.pages(c) and cache.values_finite
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", ["f32", "float8_e4m3fn"])
+def test_pool_of_torch_memory_is_written_by_torch(explicit_session, rng, monkeypatch, kv_layout, dtype):
+    """A device pool without a mirror is torch memory on a GPU
+    (Session.device_zeros): appends of torch rows on its device are then
+    torch writes into it, not append-kernel calls (each of which waited for
+    torch's stream, then for itself, once per layer of a model's step).
+    Here the CPU session's pool is made of torch CPU memory the same way.
+    Checked: no append call for torch rows (numpy rows still take the
+    kernel), every sequence holds exactly what it was given across page
+    boundaries and batch writes, the finiteness marks follow the rows, and
+    attention over the pool matches the float64 reference."""
+    import ml_dtypes
+    import torch
+
+    from turbine_fmha.api import cache as cache_mod
+    from turbine_fmha.core.arrays import _np_torch_dtype
+
+    s = explicit_session
+    monkeypatch.setattr(
+        s,
+        "device_zeros",
+        lambda shape, dt: s.import_torch(torch.zeros(shape, dtype=_np_torch_dtype(dt))),
+        raising=False,
+    )
+    calls = []
+    real = cache_mod.run_append
+    monkeypatch.setattr(cache_mod, "run_append", lambda *a: calls.append(a[2]) or real(*a))
+    np_dt = np.dtype(getattr(ml_dtypes, dtype)) if dtype.startswith("float8") else np.dtype(dtype.replace("f", "float"))
+    cache = PagedKVCache(10, 4, HK, D, np_dt, session=s, host_mirror=False, kv_layout=kv_layout)
+    assert cache._torch_pools is not None
+
+    def rows(shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(np_dt)
+
+    def as_torch(a):
+        bits = torch.from_numpy(a.view(np.int8) if a.dtype.itemsize == 1 else a)
+        return bits.view(_np_torch_dtype(a.dtype))
+
+    a, b = cache.allocate(), cache.allocate()
+    rec = {a: [], b: []}
+    first = rows((6, HK, D)), rows((6, HK, D))
+    cache.append(a, *map(as_torch, first))
+    rec[a].append(first)
+    batch = rows((2, 3, HK, D)), rows((2, 3, HK, D))  # a crosses into its 3rd page, b starts
+    batch[1][1, 2, 1, 3] = np.nan  # b's last row
+    cache.append_batch([a, b], *map(as_torch, batch))
+    for i, seq in enumerate((a, b)):
+        rec[seq].append((batch[0][i], batch[1][i]))
+    assert calls == [] and not cache.values_finite
+    kernel_rows = rows((2, HK, D)), rows((2, HK, D))
+    cache.append(b, *kernel_rows)  # numpy rows: the append kernel, into the same memory
+    rec[b].append(kernel_rows)
+    assert len(calls) == 1
+    for seq in (a, b):
+        k, v = cache.gather(seq)
+        for got, want in zip((k, v), (np.concatenate([r[i] for r in rec[seq]]) for i in (0, 1))):
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(cache.k_dev.to_host().view(np.uint8), cache._torch_pools[0].view(torch.uint8).numpy())
+    if dtype == "f32":
+        q = rng.standard_normal((1, 1, 4, D)).astype(np.float32)
+        bt, sk = cache.batch([a])
+        out, lse = cache.attend(q, [a], mask_type="bottom_right", return_lse=True)
+        ref, ref_lse = fmha_fwd_paged_ref(
+            q, cache.k_dev.to_host(), cache.v_dev.to_host(), bt, sk, mask_type="bottom_right", kv_layout=kv_layout
+        )
+        _check(out, lse, ref, ref_lse, "f32")
+    cache.free(b)
+    c = cache.allocate()
+    cache.append(c, *map(as_torch, (rows((8, HK, D)), rows((8, HK, D)))))  # reuses b's pages, over the NaN row
+    assert len(calls) == 1 and cache.values_finite
+
+
 @pytest.mark.parametrize("host_mirror", [True, False])
 def test_device_pools_are_allocated_past_the_call_buffer_pool(explicit_session, rng, host_mirror):
     """A device pool outlives calls, so it must not be counted by the

@@ -41,6 +41,7 @@ from ..core.arrays import (
     _to_numpy,
     _TorchDeviceCache,
     ops_for,
+    torch_gpu_memory,
     torch_writes_done,
 )
 from ..core.checks import check_int, check_out
@@ -184,6 +185,7 @@ class _Plan:
         self._index: dict[object, tuple] = {}
         self._stale_index: dict[str, list] = {}
         self._binds: dict[tuple, tuple] = {}
+        self._costs: dict[tuple, tuple] = {}
         if self.rows == 0 or mixed:
             return
         bt, shift = gappy_table(t, self.active, lay.page_block_size)
@@ -236,15 +238,24 @@ class _Plan:
         tiles = self.session.entry_variants(self.key) if alt is not None else []
         if not tiles:
             return
-        best = min(tiles, key=lambda v: modelled_cost(v, alt))
+        best = min(tiles, key=lambda v: self._cost(v, alt))
         try:
             here = self.session.select(
                 self.key, self.rows, self.call.batch, False, 0, self.p.scores.mask.has_right_edge
             )
         except ArtifactError:  # nothing serves the call as it is: the entries do
             here = None
-        if here is None or modelled_cost(best, alt) <= ENTRIES_GAIN * modelled_cost(here, self.call):
+        if here is None or self._cost(best, alt) <= ENTRIES_GAIN * self._cost(here, self.call):
             self.call, self.entries = alt, -(-self.rows // ENTRY_ROWS)
+
+    def _cost(self, v, call) -> float:
+        """modelled_cost, once per tile geometry and call: the built tiles
+        are many variants (guards, head counts) of a few geometries."""
+        key = (id(call), v.formulation, v.batch_tile, v.seqlen_q_tile, v.page_block_size, v.mask, v.merge_splits)
+        hit = self._costs.get(key)
+        if hit is None:
+            hit = self._costs[key] = (modelled_cost(v, call), call)  # the call kept: its id stays its own
+        return hit[0]
 
     def _key(self, splits: int, bias_shape: str, merged: bool = False) -> dict:
         """The variant key of the call in `splits` splits (`merged` in the
@@ -290,7 +301,7 @@ class _Plan:
         if v is None:
             if self.entries:
                 tiles = self.session.entry_variants(self.key, rows_finite)
-                v = min(tiles, key=lambda t: (modelled_cost(t, self.call), t.v_guard))
+                v = min(tiles, key=lambda t: (self._cost(t, self.call), t.v_guard))
             else:
                 v = self.session.select(
                     self.key, self.rows, self.call.batch, rows_finite, self.merge, self.p.scores.mask.has_right_edge
@@ -340,7 +351,10 @@ class _Plan:
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         results = _Results(session, like if torch_results else None)
         q = like.detach() if torch_results else _to_numpy(like, "q")
-        if any(isinstance(c, _TorchDeviceCache) for c in (kc, vc)) and not torch_results:
+        if not torch_results and any(
+            isinstance(c, _TorchDeviceCache) or (isinstance(c, _DeviceCache) and torch_gpu_memory(c.array))
+            for c in (kc, vc)
+        ):
             torch_writes_done()
         v_src = v_cache if not _is_torch(v_cache) else vc
         work = [(pt, pt._variant(pt._rows_finite(v_src))) for pt in self.parts if pt.rows]

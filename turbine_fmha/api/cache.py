@@ -43,6 +43,9 @@ from ..core.arrays import (
     _to_numpy,
     aligned_empty,
     np_dtype,
+    torch_gpu_memory,
+    torch_memory,
+    torch_writes_done,
 )
 from ..core.tracing import untraced_methods
 from ..kernels.append_kernel import AppendKernel
@@ -126,6 +129,7 @@ class PagedKVCache:
         self.session = session
         self._bits = _fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
+        self._torch_pools = None  # (k, v): the torch tensors the device pool is, if it is
         if session is not None:
             # fp8 pools live on the device as their bytes (int8), like the
             # kernels take them; the append kernel copies bits.
@@ -140,6 +144,10 @@ class PagedKVCache:
             else:
                 raw = np.dtype(np.int8) if self._bits else dt
                 self.k_dev, self.v_dev = (session.device_zeros(s, raw) for s in self._shapes)
+                # On a GPU those are torch memory: appends of torch rows on
+                # that GPU are then torch writes (_torch_write).
+                pools = tuple(torch_memory(a) for a in (self.k_dev, self.v_dev))
+                self._torch_pools = pools if all(t is not None for t in pools) else None
             self._append_pools = tuple(
                 kernel_cache(session, _Cache(a, s, dt), (num_pages * nhead_k, page_block_size, 1, d))
                 if kv_layout == "HND"
@@ -376,11 +384,37 @@ class PagedKVCache:
         return (pages, slice(None), rows) if self.kv_layout == "HND" else (pages, rows)
 
     def _device_write(self, k_rows, v_rows, pages, rows) -> None:
+        pools = self._torch_pools
+        if pools is not None and all(_is_torch(x) and x.device == pools[0].device for x in (k_rows, v_rows)):
+            self._torch_write(k_rows, v_rows, pages, rows)
+            return
         if self.kv_layout == "HND":
             pages, rows = one_head_slots(pages, rows, self._heads)
             k_rows, v_rows = (x.reshape(-1, 1, d) for x, d in zip((k_rows, v_rows), self._dims))
         slots = np.stack([pages, rows], axis=1).astype(np.int32)
         run_append(self.session, self._append_fn, k_rows, v_rows, slots, *self._append_pools)
+
+    def _torch_write(self, k_rows, v_rows, pages, rows) -> None:
+        """The rows written by torch into the pool's torch memory, on torch's
+        current stream: no IREE call, so nothing waits (the append kernel's
+        call waited for torch's stream, then for itself, once per layer of
+        a model's step). IREE's readers wait for torch first (the kernels'
+        callers, _read_device)."""
+        torch = sys.modules["torch"]
+        pk, pv = self._torch_pools
+        at = torch.from_numpy(np.stack([pages, rows]).astype(np.int64)).to(pk.device)
+        for pool, x in ((pk, k_rows), (pv, v_rows)):
+            if self._bits:
+                x = x.view(torch.int8)  # the pool holds fp8 as its bytes
+            # HND [pages, heads, page, dim] seen as NHD: the same memory.
+            (pool.transpose(1, 2) if self.kv_layout == "HND" else pool)[at[0], at[1]] = x
+
+    def _read_device(self) -> tuple:
+        """The whole device pool, K and V, copied to host memory as arrays
+        of the pool's dtype (lock held)."""
+        if torch_gpu_memory(self.k_dev):
+            torch_writes_done(self._torch_pools[0].device)
+        return tuple(a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
 
     def _rows_arg(self, x, name: str, dim: int, batch: int | None = None) -> None:
         """Checks rows [n, nhead_k, dim], or [batch, n, nhead_k, dim]."""
@@ -436,11 +470,7 @@ class PagedKVCache:
         with self._lock:
             pages = np.asarray(self._get(seq), np.int64)
             n = self._lens[seq]
-            k, v = (
-                (self.k, self.v)
-                if self.k is not None
-                else (a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
-            )
+            k, v = (self.k, self.v) if self.k is not None else self._read_device()
         pos = np.arange(n)
         rows = self._at(pages[pos // self.page_block_size], pos % self.page_block_size)
         return k[rows], v[rows]

@@ -112,6 +112,20 @@ class _DeviceCache:
         self.dtype = np.dtype(dtype if dtype is not None else array.dtype)
 
 
+def torch_memory(array):
+    """The torch tensor whose memory an IREE DeviceArray is (imported
+    through DLPack: Session.import_torch), or None."""
+    return getattr(array, "_torch_keepalive", None)
+
+
+def torch_gpu_memory(array) -> bool:
+    """Whether an IREE DeviceArray is torch GPU memory, which torch writes
+    on its own stream: IREE must wait for those writes (torch_writes_done)
+    before it reads."""
+    t = torch_memory(array)
+    return t is not None and t.is_cuda
+
+
 class _TensorInfo:
     """shape / ndim / dtype (numpy's) of a torch tensor, for validation
     without copying its data off its device."""

@@ -391,9 +391,8 @@ class PagedLayer(CacheLayerMixin):
         # A device pool without a mirror is read back to the host once (not
         # once per sequence, as gather would). Growth doubles the pool and
         # crop is rare, so these copies are amortized over many steps.
-        k_all, v_all = (
-            (old.k, old.v) if old.k is not None else (a.to_host().view(old.dtype) for a in (old.k_dev, old.v_dev))
-        )
+        with old._lock:
+            k_all, v_all = (old.k, old.v) if old.k is not None else old._read_device()
         new = [pool.allocate() for _ in self.seqs]
         if rows and min(rows) == max(rows):  # as every update leaves them: one write
             pos = np.arange(rows[0])

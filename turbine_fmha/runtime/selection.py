@@ -18,6 +18,8 @@ from ..kernels.variants import (
     runtime_heads,
 )
 
+_MISSING = object()
+
 
 def _problem_key(problem: dict) -> tuple:
     # A problem without `group` has static head counts (Variant.group).
@@ -39,9 +41,34 @@ def prefill_tile_cost(rows: int, tile: int) -> int:
     return sum(tile * min(rows, (c + 1) * tile) for c in range(chunks)) + chunks * PREFILL_LAUNCH_ELEMENTS
 
 
+# Selection answers a session remembers (VariantSelection._memo): past this
+# many the memo starts over. A serving loop asks a handful of questions per
+# step, every step the same ones.
+MAX_MEMO = 4096
+
+
 class VariantSelection:
     """Mixed into Session: needs `_by_problem`, `_index`, `formulation`,
-    `compile_missing`, `target` and `artifact_dir`."""
+    `compile_missing`, `target` and `artifact_dir`, and calls
+    `_variants_changed()` whenever `_by_problem` or `_index` changes.
+
+    Every answer depends only on the arguments and the listed variants, so
+    each is computed once per session and variant list: a decode step of a
+    model plans once and asks the same questions every step, and scanning
+    the list took most of a plan's host time (benchmarks/probes/h200_hf_profile.py)."""
+
+    def _variants_changed(self) -> None:
+        self._memo = {}
+
+    def _remembered(self, what: str, args: tuple, compute):
+        memo = getattr(self, "_memo", None)
+        if memo is None or len(memo) >= MAX_MEMO:
+            memo = self._memo = {}
+        key = (what, self.formulation, self.compile_missing) + args
+        hit = memo.get(key, _MISSING)
+        if hit is _MISSING:
+            hit = memo[key] = compute()
+        return hit
 
     def build_hint(self, name: str) -> str:
         """How to get the missing artifact `name`, for error messages."""
@@ -76,6 +103,13 @@ class VariantSelection:
         prefill_tile_cost), then one without the stale-row guard, which is
         allowed only when stale_rows_finite says the V rows holding no key
         are finite (plan.stale_rows_finite)."""
+        return self._remembered(
+            "select",
+            (_problem_key(problem), seqlen_q, batch, bool(stale_rows_finite), merge, bool(skips_masked)),
+            lambda: self._select(problem, seqlen_q, batch, stale_rows_finite, merge, skips_masked),
+        )
+
+    def _select(self, problem, seqlen_q, batch, stale_rows_finite, merge, skips_masked) -> Variant:
         formulation = self._formulation_for(problem, seqlen_q == 1)
         cands = [
             v
@@ -127,13 +161,16 @@ class VariantSelection:
             and not v.merge_splits
             and (v.v_guard or stale_rows_finite)
         ]
-        return cands if any(v.batch_tile > 1 for v in cands) else []
+        return tuple(cands) if any(v.batch_tile > 1 for v in cands) else ()
 
     def decode_batch_limit(self, problem: dict) -> int:
         """The largest decode batch tile select() can use for `problem`: a
         split-KV decode is kept within one launch of it (0: no such tile)."""
         if self.compile_missing:
             return GPU_DECODE_TILES[-1][0]
+        return self._remembered("batch_limit", (_problem_key(problem),), lambda: self._decode_batch_limit(problem))
+
+    def _decode_batch_limit(self, problem: dict) -> int:
         formulation = self._formulation_for(problem, True)
         return max(
             (
@@ -153,6 +190,9 @@ class VariantSelection:
             return ()
         if self.compile_missing:
             return MERGE_SPLITS
+        return self._remembered("merges", (_problem_key(problem),), lambda: self._merge_splits_for(problem))
+
+    def _merge_splits_for(self, problem: dict) -> tuple:
         return tuple(
             sorted(
                 {
@@ -175,11 +215,14 @@ class VariantSelection:
         """The listed variants that can serve a call of `problem`: those of
         its head counts, then those reading head counts at run time for its
         GQA group, then for any group."""
+        return self._remembered("served", (_problem_key(problem),), lambda: self._scan(problem))
+
+    def _scan(self, problem: dict) -> tuple:
         keys = [problem]
         if problem["nhead_k"]:
             keys += [runtime_heads(problem), runtime_heads(problem, any_group=True)]
         group = group_of(problem)
-        return [v for k in keys for v in self._by_problem.get(_problem_key(k), []) if v.serves_group(group)]
+        return tuple(v for k in keys for v in self._by_problem.get(_problem_key(k), []) if v.serves_group(group))
 
     def _formulation_for(self, problem: dict, decode: bool = False) -> str:
         """The session's formulation, unless the online one cannot serve the
@@ -187,6 +230,11 @@ class VariantSelection:
         row), or no online variant for it is built and none may be compiled
         while an explicit one is built (the default sets' variants for any
         head counts): then the explicit one."""
+        return self._remembered(
+            "formulation", (_problem_key(problem), bool(decode)), lambda: self._formulation(problem, decode)
+        )
+
+    def _formulation(self, problem: dict, decode: bool) -> str:
         if self.formulation == "online" and (online_unsupported(problem, decode) or self._explicit_only(problem)):
             return "explicit"
         return self.formulation

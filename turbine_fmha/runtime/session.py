@@ -196,6 +196,7 @@ class Session(VariantSelection, DeviceInterop):
                 self._index[a["variant"]] = dict(a, _dir=str(directory))
                 if isinstance(variant, Variant):
                     self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
+        self._variants_changed()
 
     def available_variants(self) -> list[Variant]:
         """The attention variants of the session's manifests (append kernels
@@ -254,6 +255,7 @@ class Session(VariantSelection, DeviceInterop):
         build(self.cache_dir, [self.target.name], [variant])
         if self._index.pop(variant.name, None) is not None and isinstance(variant, Variant):
             self._by_problem[_problem_key(variant.problem)].remove(variant)
+        self._variants_changed()
         self._read_manifest(self.cache_dir)
         return self._index[variant.name]
 
