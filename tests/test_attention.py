@@ -209,8 +209,8 @@ def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
     imported = []
     real = explicit_session.import_host
 
-    def spy(a):
-        r = real(a)
+    def spy(a, *alignment):
+        r = real(a, *alignment)
         imported.append((a.nbytes, r is not None and r._host_keepalive is a))
         return r
 
@@ -239,7 +239,7 @@ def test_run_reads_each_layers_cache_as_it_is_now(explicit_session, rng):
     q, k, v, bt, sk = make_problem(rng, **shape)
     layers = [(q, _aligned_copy(k), _aligned_copy(v))]
     layers.append((q, _aligned_copy(k * 2), _aligned_copy(v * 3)))
-    layers.append((q, k + 1, v))  # unaligned: copied per call
+    layers.append((q, _at_offset(k + 1, 2), v))  # less aligned than any kernel assumes: copied per call
     attn = turbine_fmha.PagedAttention(explicit_session).plan(
         bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16"
     )
@@ -252,6 +252,54 @@ def test_run_reads_each_layers_cache_as_it_is_now(explicit_session, rng):
         for _, k, v in layers:  # new values in the used pages, in place
             k[used] = rng.standard_normal(k[used].shape).astype(np.float16)
             v[used] = rng.standard_normal(v[used].shape).astype(np.float16)
+
+
+def test_numpy_caches_at_malloc_alignment_are_read_in_place(explicit_session, rng, monkeypatch):
+    """CPU artifacts assume 16-byte aligned arguments
+    (build.targets.CPU_BINDING_ALIGNMENT, recorded per manifest entry), the
+    alignment numpy's own allocations have: a numpy cache 16 but not 64
+    bytes aligned is read in place, where at IREE's default of 64 it was
+    copied, aligned, on every call (as called on the CPU, that copy cost
+    as much as a decode's attention). An entry without the field (built
+    before) assumes 64, and the same caches are then copied. Each output
+    against the float64 reference."""
+    shape = dict(dtype="f16", batch=2, seqlen_q=1, seqlens_k=[40, 17], nhead_q=4, nhead_k=2, hdim=64, page=16)
+    q, k, v, bt, sk = make_problem(rng, **shape)
+    k, v = _at_offset(k, 16), _at_offset(v, 16)
+    attn = turbine_fmha.PagedAttention(explicit_session).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16"
+    )
+    imported = []
+    real = explicit_session.import_host
+
+    def spy(a, *alignment):
+        r = real(a, *alignment)
+        imported.append(r is not None and r._host_keepalive is a and a.base is not None and a.base is k.base)
+        return r
+
+    monkeypatch.setattr(explicit_session, "import_host", spy, raising=False)
+    ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    out = attn.run(q, k, v)
+    assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
+    variant = explicit_session.last_variant
+    assert explicit_session.binding_alignment(variant) == 16
+    assert imported and imported[0]  # k itself, not a copy
+    monkeypatch.delitem(explicit_session._index[variant.name], "binding_alignment")
+    imported.clear()
+    out = attn.run(q, k, v)
+    assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
+    assert imported and not any(imported)  # copies
+
+
+def _at_offset(a, offset: int):
+    """A copy of `a` whose memory starts `offset` bytes past a 64-byte
+    boundary."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    out = raw[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 64 == offset
+    return out
 
 
 def _aligned_copy(a):

@@ -461,7 +461,8 @@ class _Plan:
         """Each step's first `outputs` results; the steps are queued back
         to back."""
         as_bytes = bool(self.p.layout.kv_dtype or self.p.layout.static_quant)  # fp8 travels as i8
-        kc, vc = (self.session.kernel_cache(c, as_bytes, self._imports) for c in (k_cache, v_cache))
+        align = self.session.binding_alignment(variant)
+        kc, vc = (self.session.kernel_cache(c, as_bytes, self._imports, align) for c in (k_cache, v_cache))
         return results.run(variant, [[st.q(qb), kc, vc, *st.args] for st in steps], outputs)
 
     def _allocate(self, q, out, results):

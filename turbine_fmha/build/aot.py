@@ -344,6 +344,7 @@ class _Builder:
             "kernel_abi": KERNEL_ABI,
             "compiler_version": self.version,
             "flags": list(target.flags),
+            "binding_alignment": target.binding_alignment,
             "compile_seconds": round(seconds, 3),
             "isa": report,
             "abi": abi(v),

@@ -87,6 +87,9 @@ _ENTRY_FIELDS = {
     "size": ("integer", False),
     "source_sha256": ("string", False),
     "flags": ("array", False),
+    # The alignment in bytes the kernels assume of their arguments' memory
+    # (targets.Target.binding_alignment); missing: IREE's default, 64.
+    "binding_alignment": ("integer", False),
     "compile_seconds": ("number", False),
     "isa": ("object", False),
     # The function's ABI (kernels/abi.py; the manifest's top-level "abi"
@@ -151,6 +154,9 @@ def validate(data, path: Path) -> None:
             bad(f"{where}.sha256", f"{a['sha256']!r} is not a lowercase hex sha256")
         if "flags" in a and not all(isinstance(f, str) for f in a["flags"]):
             bad(f"{where}.flags", "expected an array of strings")
+        align = a.get("binding_alignment", 64)
+        if align < 1 or align & (align - 1):
+            bad(f"{where}.binding_alignment", f"expected a power of two, got {align}")
         key = (a["target"], a["variant"])
         if key in seen:
             # Which of the two would load is arbitrary: build() never writes this.

@@ -14,6 +14,15 @@ import dataclasses
 # synchronous wrapper.
 EXECUTION_MODEL = "--iree-execution-model=async-external"
 
+# IREE's binding alignment when nothing lowers it: what the GPU artifacts,
+# and CPU artifacts built before CPU_BINDING_ALIGNMENT, assume.
+DEFAULT_BINDING_ALIGNMENT = 64
+# CPU artifacts assume 16-byte aligned arguments, the alignment of numpy's
+# (malloc's) allocations, so that the runtime reads a user's numpy caches
+# in place: at 64 every such cache was copied, aligned, on every call,
+# which cost as much as a decode's attention (docs/devlog/perf-notes.md).
+CPU_BINDING_ALIGNMENT = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -28,6 +37,10 @@ class Target:
     # artifacts record the build machine's own (build/aot.py).
     cpu_arch: str | None = None
     cpu_requires: tuple[str, ...] = ()
+    # The alignment in bytes the kernels assume of every argument's memory
+    # (IREE's default is 64). The manifest records it per artifact
+    # ("binding_alignment"); a host hands memory over in place only at it.
+    binding_alignment: int = DEFAULT_BINDING_ALIGNMENT
 
 
 def _rocm(arch: str) -> Target:
@@ -53,6 +66,7 @@ def _cpu(name: str, triple: str, cpu: str, arch: str | None, requires: tuple[str
             "--iree-hal-local-target-device-backends=llvm-cpu",
             *((f"--iree-llvmcpu-target-triple={triple}",) if triple else ()),
             f"--iree-llvmcpu-target-cpu={cpu}",
+            f"--iree-stream-resource-min-offset-alignment={CPU_BINDING_ALIGNMENT}",
             EXECUTION_MODEL,
         ),
         "local-task",
@@ -60,6 +74,7 @@ def _cpu(name: str, triple: str, cpu: str, arch: str | None, requires: tuple[str
         "cpu",
         arch,
         requires,
+        CPU_BINDING_ALIGNMENT,
     )
 
 

@@ -66,10 +66,11 @@ def aligned_empty(shape, dtype, alignment: int = 64) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
-def kernel_host_array(a: np.ndarray) -> np.ndarray:
-    """`a` itself when a CPU kernel can read it in place (C-contiguous,
-    64-byte aligned), else an aligned C-contiguous copy."""
-    if a.flags.c_contiguous and a.ctypes.data % 64 == 0:
+def kernel_host_array(a: np.ndarray, alignment: int) -> np.ndarray:
+    """`a` itself when a CPU kernel that assumes `alignment`-byte aligned
+    arguments can read it in place (C-contiguous, so aligned), else a
+    64-byte aligned C-contiguous copy."""
+    if a.flags.c_contiguous and a.ctypes.data % alignment == 0:
         return a
     out = aligned_empty(a.shape, a.dtype)
     out[...] = a

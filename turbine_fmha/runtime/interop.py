@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from ..build.targets import DEFAULT_BINDING_ALIGNMENT
 from ..core.arrays import (
     _DeviceCache,
     _fp8_name,
@@ -28,15 +29,16 @@ MAX_KEPT_IMPORTS = 512
 class DeviceInterop:
     """Mixed into Session: needs `target`, `device`, `ordinal`, `device_of()`."""
 
-    def import_host(self, array):
+    def import_host(self, array, alignment: int = DEFAULT_BINDING_ALIGNMENT):
         """A DeviceArray over a C-contiguous numpy array's own memory (no
         copy) on a CPU session, or None where that is not possible (GPU
-        sessions, dtypes without an IREE element type). The result holds a
-        reference to `array`; the array must stay unchanged while calls use
-        it."""
-        # The kernels assume 64-byte aligned bindings (aligned vector loads):
-        # importing a less aligned array crashes them, so copy those.
-        if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % 64:
+        sessions, dtypes without an IREE element type, memory less aligned
+        than `alignment`, what the kernels that read it assume:
+        Session.binding_alignment). The result holds a reference to
+        `array`; the array must stay unchanged while calls use it."""
+        # Kernels handed less aligned memory than they assume crash (aligned
+        # vector loads): such arrays are copied instead.
+        if self.target.driver != "local-task" or not array.flags.c_contiguous or array.ctypes.data % alignment:
             return None
         import iree.runtime as rt
 
@@ -94,27 +96,28 @@ class DeviceInterop:
         torch_writes_done(self.torch_device)  # the memset, before IREE reads or writes the memory
         return self.import_torch(zeros)
 
-    def kernel_cache(self, c, as_bytes: bool, kept: dict | None = None):
+    def kernel_cache(self, c, as_bytes: bool, kept: dict | None = None, alignment: int = DEFAULT_BINDING_ALIGNMENT):
         """A cache (an arrays._cache_array) as a kernel argument: device
         arrays as they are; host caches read in place on CPU sessions (a
-        strided or unaligned one is copied, aligned, per call). `as_bytes`:
-        the kernel takes the cache as i8 (fp8). `kept`: a plan's imports of
-        host caches read in place, by memory and layout, so that the next
-        layer's run() of the same arrays imports nothing; it holds the
-        arrays (like a plan's bound torch caches)."""
+        strided one, or one less aligned than `alignment`, what the kernel
+        assumes, is copied, aligned, per call). `as_bytes`: the kernel takes
+        the cache as i8 (fp8). `kept`: a plan's imports of host caches read
+        in place, by memory and layout, so that the next layer's run() of
+        the same arrays imports nothing; it holds the arrays (like a plan's
+        bound torch caches)."""
         if isinstance(c, _DeviceCache):
             return c.array
         # Keyed by the caller's array as it is (the lookup is most of a
         # layer's run() on a small decode, so it reads the pointer once).
-        key = (c.ctypes.data, c.shape, c.strides, c.dtype.str, as_bytes)
+        key = (c.ctypes.data, c.shape, c.strides, c.dtype.str, as_bytes, alignment)
         hit = None if kept is None else kept.get(key)
         if hit is not None:
             return hit
-        a = kernel_host_array(c)
+        a = kernel_host_array(c, alignment)
         in_place = a is c
         if as_bytes:
             a = a.view(np.int8)
-        imported = self.import_host(a)
+        imported = self.import_host(a, alignment)
         if imported is None:
             return a
         if in_place and kept is not None:

@@ -24,7 +24,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..build.artifacts import ArtifactError
-from ..build.targets import CPU_TARGET_PREFERENCE, DEVICE_DEFAULT_TARGET, Target, get_target
+from ..build.targets import (
+    CPU_TARGET_PREFERENCE,
+    DEFAULT_BINDING_ALIGNMENT,
+    DEVICE_DEFAULT_TARGET,
+    Target,
+    get_target,
+)
 from ..core import cpu as host_cpu
 from ..core import env
 from ..core.devices import device_name, parse_device
@@ -283,6 +289,13 @@ class Session(VariantSelection, DeviceInterop):
         return loaded
 
     # -- execution ----------------------------------------------------------
+
+    def binding_alignment(self, kernel) -> int:
+        """The alignment in bytes that `kernel`'s artifact assumes of its
+        arguments' memory (the manifest's binding_alignment; IREE's default
+        for entries without one, and for a kernel not built yet)."""
+        entry = self._index.get(kernel.name)
+        return DEFAULT_BINDING_ALIGNMENT if entry is None else entry.get("binding_alignment", DEFAULT_BINDING_ALIGNMENT)
 
     def append_function(self, kernel: AppendKernel):
         """The loaded in-place append kernel (PagedKVCache on a device)."""
