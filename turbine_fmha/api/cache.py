@@ -43,7 +43,6 @@ from ..core.arrays import (
     _to_numpy,
     aligned_empty,
     np_dtype,
-    torch_gpu_memory,
     torch_memory,
     torch_writes_done,
 )
@@ -412,7 +411,7 @@ class PagedKVCache:
     def _read_device(self) -> tuple:
         """The whole device pool, K and V, copied to host memory as arrays
         of the pool's dtype (lock held)."""
-        if torch_gpu_memory(self.k_dev):
+        if self._torch_pools is not None and self._torch_pools[0].is_cuda:
             torch_writes_done(self._torch_pools[0].device)
         return tuple(a.to_host().view(self.dtype) for a in (self.k_dev, self.v_dev))
 

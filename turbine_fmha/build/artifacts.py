@@ -24,6 +24,8 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
+from .targets import DEFAULT_BINDING_ALIGNMENT
+
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 
@@ -88,7 +90,7 @@ _ENTRY_FIELDS = {
     "source_sha256": ("string", False),
     "flags": ("array", False),
     # The alignment in bytes the kernels assume of their arguments' memory
-    # (targets.Target.binding_alignment); missing: IREE's default, 64.
+    # (targets.Target.binding_alignment); missing: DEFAULT_BINDING_ALIGNMENT.
     "binding_alignment": ("integer", False),
     "compile_seconds": ("number", False),
     "isa": ("object", False),
@@ -154,7 +156,7 @@ def validate(data, path: Path) -> None:
             bad(f"{where}.sha256", f"{a['sha256']!r} is not a lowercase hex sha256")
         if "flags" in a and not all(isinstance(f, str) for f in a["flags"]):
             bad(f"{where}.flags", "expected an array of strings")
-        align = a.get("binding_alignment", 64)
+        align = a.get("binding_alignment", DEFAULT_BINDING_ALIGNMENT)
         if align < 1 or align & (align - 1):
             bad(f"{where}.binding_alignment", f"expected a power of two, got {align}")
         key = (a["target"], a["variant"])
