@@ -1,7 +1,7 @@
 """Artifact directories (issue items 9-14): reproducible builds, concurrent
 builders, interrupted builds, file modes, malformed manifests, and pinning
 the manifest's digest. Built from append kernels (about 0.6 s a compile);
-the one attention variant (SLOW) is only ever started, never finished."""
+the attention variants (SLOW) are only ever started, never finished."""
 
 from __future__ import annotations
 
@@ -30,8 +30,11 @@ A1 = AppendKernel("f32", 1, 8, 8, 16)
 A2 = AppendKernel("f16", 1, 16, 16, 16)
 A3 = AppendKernel("f32", 1, 16, 16, 16)
 A4 = AppendKernel("f16", 1, 8, 8, 16)
-# Compiles for 2-3 s: long enough to tell stopping it from waiting for it.
-SLOW = Variant("f16", 128, 128, 32, 8, 16, "bottom_right")
+# Each compiles for 2-3 s: long enough to tell stopping a compile from
+# waiting for it. Three in a row keep a builder busy for 7 s or more after
+# its first kernel, so that a test slowed down on a loaded machine still
+# catches it compiling (CI once saw a builder finish first with one).
+SLOW = [Variant("f16", 128, 128, 32, 8, 16, m) for m in ("bottom_right", "top_left", "none")]
 
 # A build in a process of its own: argv = out, kernel names, host cpu, and a
 # "go" path ("-": none) that it waits for after its imports, so that two
@@ -198,7 +201,7 @@ def _gone(pid: int) -> bool:
 
 def test_ctrl_c_stops_promptly_and_keeps_what_finished(tmp_path):
     out = tmp_path / "out"
-    proc = _builder(out, [A1, SLOW, A2])
+    proc = _builder(out, [A1, *SLOW, A2])
     _wait_for(lambda: A1.name in _entries(out), proc)
     # Interrupted as soon as SLOW's compile is under way: ~3 s of it left.
     _wait_for(lambda: _children(proc.pid), proc)
@@ -236,12 +239,15 @@ def test_sigkill_during_a_rebuild_leaves_a_loadable_directory(umask_builds, tmp_
 
     def changed():
         entries = _entries(d)
-        if entries != before:
+        # The builder removes the replaced file right after the manifest
+        # write: a kill between the two leaves it for the next build to sweep
+        # (test_a_killed_writers_file_is_swept), so wait for both.
+        if entries != before and not (d / before[A1.name]["path"]).exists():
             return True
         # A writer that replaces files in place changes a file first.
         return any(tfb.sha256_file(d / a["path"]) != a["sha256"] for a in before.values() if (d / a["path"]).exists())
 
-    proc = _builder(d, [A1, SLOW, A2], cpu="generic")
+    proc = _builder(d, [A1, *SLOW, A2], cpu="generic")
     _wait_for(changed, proc)
     proc.kill()
     proc.communicate()
@@ -252,6 +258,27 @@ def test_sigkill_during_a_rebuild_leaves_a_loadable_directory(umask_builds, tmp_
     _assert_all_load(d, [A1, A2])
     # The replaced file went once the manifest stopped listing it.
     assert not (d / before[A1.name]["path"]).exists()
+
+
+def test_a_killed_writers_file_is_swept(umask_builds, tmp_path):
+    """A writer killed between its manifest write and the removal of the
+    file it replaced (or between its rename and its manifest write) leaves a
+    vmfb no entry lists: the next record of that variant removes it, and
+    leaves the other variants' files and foreign files alone."""
+    d = tmp_path / "a"
+    shutil.copytree(umask_builds[0], d)
+    before = _entries(d)
+    left = d / "host" / f"{A1.name}.{'0' * 16}.vmfb"
+    shutil.copy(d / before[A1.name]["path"], left)
+    other = d / "host" / f"{A2.name}.{'1' * 16}.vmfb"
+    shutil.copy(d / before[A2.name]["path"], other)
+    foreign = d / "host" / f"{A1.name}.mine.vmfb"
+    foreign.write_bytes(b"not ours")
+    tfb.build(d, ["host"], [A1], force=True)
+    assert not left.exists()
+    assert other.exists() and foreign.exists()
+    assert (d / _entries(d)[A1.name]["path"]).exists()
+    _assert_all_load(d, [A1, A2])
 
 
 # --- 13: malformed manifests -----------------------------------------------
