@@ -440,11 +440,15 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
     rows do not matter: the online kernels turn a NaN/+Inf score into a
     sentinel that the mask removes.
 
-    Those rows are the tail of each sequence's last page (past seqlen_k) and,
-    with gappy KV, the head of its first page (before kv_shift). Unused
-    table slots read the sequence's own first page, or another sequence's
-    for one without keys (fill_unused_slots). None when no sequence has a
-    key (every page read would then be unchecked)."""
+    Those rows are the tail of each sequence's last page (past seqlen_k) and
+    every row of each table row's first page: unused table slots read the
+    sequence's own first page again (fill_unused_slots; split_kv pads its
+    last split the same way), a sequence without keys reads another's, and
+    with gappy KV the first page's head holds no key. A row that holds a key
+    is stale where a slot re-reads it: a non-finite value there, times the
+    probability 0 of a masked key, would make the output NaN where the
+    reference's is +-Inf. None when no sequence has a key (every page read
+    would then be unchecked)."""
     sk = seqlen_k.astype(np.int64)
     ks = kv_shift.astype(np.int64)
     b = np.nonzero(sk > 0)[0]
@@ -453,12 +457,12 @@ def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarr
     rows = np.arange(page)[None, :]
     last_col = (ks + sk - 1) // page
     tail = rows >= (ks + sk - last_col * page)[b][:, None]  # rows past the last key
-    head = rows < ks[b][:, None]  # rows before the first key (first page)
-    pages = [
-        np.broadcast_to(block_table[b, col][:, None], tail.shape)[sel] for col, sel in ((last_col[b], tail), (0, head))
-    ]
-    picked = [np.broadcast_to(rows, tail.shape)[sel] for sel in (tail, head)]
-    return np.concatenate(pages).astype(np.int64), np.concatenate(picked).astype(np.int64)
+    tail_pages = np.broadcast_to(block_table[b, last_col[b]][:, None], tail.shape)[tail]
+    tail_rows = np.broadcast_to(rows, tail.shape)[tail]
+    first = np.unique(block_table[:, 0]).astype(np.int64)
+    pages = np.concatenate([tail_pages, np.repeat(first, page)])
+    picked = np.concatenate([tail_rows, np.tile(np.arange(page), first.size)])
+    return pages.astype(np.int64), picked.astype(np.int64)
 
 
 def stale_rows_finite(v_cache, block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int) -> bool:
