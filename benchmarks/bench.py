@@ -227,6 +227,7 @@ def bench_ours(
         q_itemsize=q.itemsize,
         nhead_q=HQ,
         block_table=bt,
+        page=PAGE,
         seqlen_q=np.full(shape["batch"], shape["seqlen_q"], np.int32),
         seqlen_k=sk,
         kv_shift=np.zeros(shape["batch"], np.int32),
@@ -245,7 +246,7 @@ def bench_ours(
     )
     qq = q
     if num_splits > 1:
-        call = split_kv(call, PAGE, num_splits, merged)
+        call = split_kv(call, num_splits, merged)
         qq = q if merged else repeat_rows(q, num_splits)
     kc_d = session.device_array(kc)  # as a service holds its caches
     vc_d = session.device_array(vc)

@@ -29,6 +29,8 @@ from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 DECODE = "pagedkv_fwd_f16_d64x64_g2_pg16_nmask_lse_explicit"
 PREFILL = "pagedkv_fwd_f16_d64x64_g2_pg16_mbr_lse_explicit"
 STATIC = "pagedkv_fwd_f16_d32x32_h4x2_pg16_nmask_lse_online_b8_q1_nvguard_m16"
+# Any page size: the host picks one (PG "?" in the ABI).
+ANY_PAGE = "pagedkv_fwd_f16_d64x64_g2_pg0_mbr_lse_explicit"
 OTHERS = [
     "pagedkv_fwd_f16_d64x64_g2_pg16_nmask_biasb1_lse_explicit",
     "pagedkv_append_bf16_h1_d16x8_pg4_ropei",
@@ -53,7 +55,7 @@ def built(tmp_path_factory):
     """The kernels, built for the host into a directory of their own (a
     copy of the suite's cache entries, so nothing compiles twice)."""
     d = tmp_path_factory.mktemp("abi")
-    kernels = [parse_kernel(n) for n in (DECODE, PREFILL, STATIC, *OTHERS)]
+    kernels = [parse_kernel(n) for n in (DECODE, PREFILL, STATIC, ANY_PAGE, *OTHERS)]
     aot.build(CACHE, ["host"], kernels)
     cache = json.loads((CACHE / "manifest.json").read_text())
     keep = [a for a in cache["artifacts"] if a["target"] == "host" and a["variant"] in {k.name for k in kernels}]
@@ -130,13 +132,16 @@ def _scalars(docs: dict, d: int, causal: bool) -> dict:
     )
 
 
-@pytest.mark.parametrize("name, rows, causal", [(DECODE, 1, False), (PREFILL, 40, True), (STATIC, 1, False)])
+@pytest.mark.parametrize(
+    "name, rows, causal", [(DECODE, 1, False), (PREFILL, 40, True), (STATIC, 1, False), (ANY_PAGE, 40, True)]
+)
 def test_a_call_through_iree_run_module_from_the_manifest_alone(built, rng, tmp_path, name, rows, causal):
     m = json.loads((built / "manifest.json").read_text())
     (entry,) = [a for a in m["artifacts"] if a["variant"] == name]
     sizes = entry["abi"]["sizes"]
     hq, hk = (sizes["HQ"], sizes["HK"]) if sizes["HQ"] != "?" else (4, 2)
-    d, dv, page = sizes["D"], sizes["DV"], sizes["PG"]
+    d, dv = sizes["D"], sizes["DV"]
+    page = sizes["PG"] if sizes["PG"] != "?" else 12
     seqs, seqlen_k = 3, np.array([37, 5, 64 if causal else 20], np.int32)
     seqlen_k = np.maximum(seqlen_k, rows) if causal else seqlen_k
     batch = sizes["B"] if sizes["B"] != "?" else seqs  # static tiles: pad the batch (ABI "pad_to_tiles")

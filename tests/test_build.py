@@ -13,7 +13,16 @@ from conftest import CACHE, make_problem, run_and_check
 
 import turbine_fmha
 from turbine_fmha.build import aot as tfb
-from turbine_fmha.build.default_sets import check_set, default_append_kernels, gpu_default_set, host_default_set
+from turbine_fmha.build.default_sets import (
+    DEFAULT_HDIMS,
+    DEFAULT_HEADS,
+    any_heads_variants,
+    check_set,
+    default_append_kernels,
+    gpu_default_set,
+    host_default_set,
+    plain_variants,
+)
 from turbine_fmha.build.isa import isa_problems
 from turbine_fmha.kernels.append_kernel import AppendKernel
 from turbine_fmha.kernels.variants import GPU_ENTRY_TILES, GPU_PREFILL_TILES, Variant
@@ -39,8 +48,19 @@ def test_default_names_unchanged():
     1024-row prefill tile.) The variants for any head counts came later,
     under names of their own, then those over head-major (HND) pages, then
     the GPU tiles that run a prefill's rows as entries of 128 rows (16 or
-    32 a launch, GPU_ENTRY_TILES); every earlier name is kept."""
-    everything = gpu_default_set() + host_default_set()
+    32 a launch, GPU_ENTRY_TILES); every earlier name is kept. Then the
+    host set's pages other than 16 and the GPU sets' explicit page 64 went
+    to kernels of any page size (_pg0): the names are checked with those
+    pages put back, and each _pg0 name is a page-16 name of the sets with
+    _pg0."""
+    host, gpu = host_default_set(), gpu_default_set()
+    any_page = sorted({v.name for v in host + gpu if v.runtime_page})
+    dtypes, pages = ("f16", "bf16", "f32"), (1, 32, 64, 128)
+    dropped = plain_variants("explicit", dtypes, [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, pages)
+    dropped += any_heads_variants(dtypes, pages)
+    everything = [v for v in gpu + host if not v.runtime_page] + dropped
+    assert not {v.name for v in dropped} & {v.name for v in host}
+    assert len(any_page) == 90 and all(n.replace("_pg0", "_pg16") in {v.name for v in host} for n in any_page)
     entry_tiles = [v for v in everything if (v.batch_tile, v.seqlen_q_tile) in GPU_ENTRY_TILES]
     variants = [v for v in everything if (v.batch_tile, v.seqlen_q_tile) not in GPU_ENTRY_TILES]
     names = sorted(v.name for v in variants if not v.runtime_heads)

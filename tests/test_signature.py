@@ -46,7 +46,7 @@ def test_custom_op_signature():
         "turbine_fmha_pagedkv_fwd_explicit(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "Tensor seqlen_q, Tensor seqlen_k, Tensor kv_shift, Tensor fparams, Tensor iparams, "
         "Tensor? alibi_slopes, Tensor? bias, Tensor? sinks, str mask, int softcap, str kv_layout, str v_layout, "
-        "str kv_dtype, int v_guard, int group_rows, int merge_splits, int runtime_heads, int group) "
+        "str kv_dtype, int v_guard, int group_rows, int merge_splits, int runtime_heads, int group, int runtime_page) "
         "-> (Tensor, Tensor, Tensor, Tensor)"
     )
     assert kernels.PagedKVAppend.signature == (

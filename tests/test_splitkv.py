@@ -170,6 +170,7 @@ def test_causal_chunks_skip_masked_pages():
         q_itemsize=2,
         nhead_q=4,
         block_table=np.arange(32, dtype=np.int32)[None],
+        page=16,
         seqlen_q=np.array([sq], np.int32),
         seqlen_k=np.array([sk], np.int32),
         kv_shift=np.zeros(1, np.int32),

@@ -7,7 +7,8 @@ what serves a call is what that directory holds (--static: exact head
 counts; --group: run-time heads for a GQA group; --any-online: run-time
 heads for any group, padded; --hnd: the same over head-major (HND) caches;
 --any: the explicit variants for any head counts, which a GPU session falls
-back to; --any-hnd: those over HND caches). --stale-nan puts NaN in the
+back to; --any-hnd: those over HND caches), at the page sizes of --pages
+(kernels of any page size, _pg0, serve the odd ones). --stale-nan puts NaN in the
 value rows past each sequence's keys, so that the variants with the
 stale-row guard run. Then
 times PagedAttention.run() of the GQA 32/8 shapes with each directory,
@@ -105,7 +106,7 @@ def verify(session, rng, label, heads, hdims, dtype="f16", page=16, stale_nan=Fa
             variants = sorted(set(session.picked))
             session.picked.clear()
             print(
-                f"verify {label} h{hq}x{hk} d{d} sq={sq}: rel err {err:.2e}, lse err {lerr:.2e} -> "
+                f"verify {label} pg{page} h{hq}x{hk} d{d} sq={sq}: rel err {err:.2e}, lse err {lerr:.2e} -> "
                 f"{'OK' if good else 'FAIL'} {variants}"
             )
     return ok
@@ -180,6 +181,7 @@ def main() -> int:
     ap.add_argument("--any-hnd", help="explicit, any head counts, HND caches")
     ap.add_argument("--stale-nan", action="store_true", help="NaN in the value rows past the keys (guarded variants)")
     ap.add_argument("--dtype", default="f16", choices=sorted(OUT_TOL), help="of the verified calls")
+    ap.add_argument("--pages", default="16", help="comma list: the verified calls' page sizes")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-time", action="store_true")
     args = ap.parse_args()
@@ -194,9 +196,10 @@ def main() -> int:
     }
     checks["any_hnd"] = checks["any"]
     ok = True
-    for k, (heads, hdims) in checks.items():
-        if k in sessions:
-            ok &= verify(sessions[k], rng, k, heads, hdims, dtype=args.dtype, stale_nan=args.stale_nan)
+    for page in (int(p) for p in args.pages.split(",")):
+        for k, (heads, hdims) in checks.items():
+            if k in sessions:
+                ok &= verify(sessions[k], rng, k, heads, hdims, args.dtype, page, args.stale_nan)
     print("verify", "PASS" if ok else "FAIL")
     if args.no_time:
         return 0 if ok else 1

@@ -48,6 +48,7 @@ def main() -> int:
         q_itemsize=q.itemsize,
         nhead_q=HQ,
         block_table=bt,
+        page=args.page,
         seqlen_q=np.full(b, sq, np.int32),
         seqlen_k=sk,
         kv_shift=np.zeros(b, np.int32),

@@ -199,6 +199,7 @@ class _Plan:
             q_itemsize=lay.q_dtype.itemsize,
             nhead_q=lay.nhead_q,
             block_table=bt,
+            page=lay.page_block_size,
             seqlen_q=t.seqlens_q[self.active].astype(np.int32),
             seqlen_k=t.seqlen_k[self.active].astype(np.int32),
             kv_shift=shift.astype(np.int32),
@@ -219,7 +220,7 @@ class _Plan:
         self.splits, self.merge = self._split_count(call)
         self.splits = min(self.splits, bt.shape[1])
         self.merge = self.merge if self.merge == self.splits else 0
-        self.call = split_kv(call, lay.page_block_size, self.splits, self.merge > 1) if self.splits > 1 else call
+        self.call = split_kv(call, self.splits, self.merge > 1) if self.splits > 1 else call
         self.key = self._key(self.splits, bias_shape_of(self.call.bias), self.merge > 1)
         online = session._formulation_for(self.key, self.rows == 1) == "online"
         self.guard_free = online and lay.v_layout == "row" and not lay.kv_dtype
@@ -251,7 +252,7 @@ class _Plan:
     def _cost(self, v, call) -> float:
         """modelled_cost, once per tile geometry and call: the built tiles
         are many variants (guards, head counts) of a few geometries."""
-        key = (id(call), v.formulation, v.batch_tile, v.seqlen_q_tile, v.page_block_size, v.mask, v.merge_splits)
+        key = (id(call), v.formulation, v.batch_tile, v.seqlen_q_tile, v.mask, v.merge_splits)
         hit = self._costs.get(key)
         if hit is None:
             hit = self._costs[key] = (modelled_cost(v, call), call)  # the call kept: its id stays its own

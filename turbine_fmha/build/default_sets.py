@@ -27,6 +27,13 @@ from ..kernels.variants import (
 # and MHA 8/8 for small services.
 DEFAULT_HEADS = ((32, 8), (8, 8))
 DEFAULT_PAGES = (1, 16, 32, 64, 128)
+# The explicit variants' pages: 16 compiled for its size, every other page
+# size by kernels of any page (Variant.page_block_size 0), which cost
+# 0.96-1.11x the exact page's with exact head counts on the CPU
+# (benchmarks/any_page.py; docs/benchmarks.md) and build the host set in
+# half the time. (The GPUs' explicit fallback had pages 16 and 64, with the
+# same ISA at 64 and any page on gfx942: no MFMA either way.)
+HOST_PAGES = (16, 0)
 DEFAULT_HDIMS = (64, 128)
 # Any head counts (run-time heads, any GQA group: Variant.group) for these
 # head dims, in the explicit formulation: every model of them runs without
@@ -61,18 +68,17 @@ def _feature_variants(dtype, page, mask, tiles=None) -> list[Variant]:
 def host_default_set() -> list[Variant]:
     """The CPU set: explicit formulation, dynamic batch and query rows.
 
-    Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, pages 1-128, every
-    mask, and the same for any head counts with head dims 64/128/256
-    (ANY_HEADS_HDIMS), also over head-major (HND) pages of 16 rows; plus
+    Every dtype, head dim 64/128, GQA 32/8 and MHA 8/8, every mask, at
+    page 16 and at any page size (HOST_PAGES), and the same for any head
+    counts with head dims 64/128/256 (ANY_HEADS_HDIMS), also over head-major
+    (HND) pages; plus
     each score-side feature for fp16/bf16, hdim 128, GQA 32/8, page 16,
     with the causal masks; column-major V; fp8 (e4m3) KV caches
     and fp8 (e4m3) static quantization.
     """
-    out = plain_variants(
-        "explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, DEFAULT_PAGES
-    )
-    out += any_heads_variants(("f16", "bf16", "f32"), DEFAULT_PAGES)
-    out += head_major(any_heads_variants(("f16", "bf16", "f32"), (16,)))
+    out = plain_variants("explicit", ("f16", "bf16", "f32"), [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, HOST_PAGES)
+    out += any_heads_variants(("f16", "bf16", "f32"), HOST_PAGES)
+    out += head_major(any_heads_variants(("f16", "bf16", "f32"), HOST_PAGES))
     for dtype in ("f16", "bf16"):
         for mask in ("top_left", "bottom_right"):
             out += _feature_variants(dtype, 16, mask)
@@ -105,8 +111,8 @@ def gpu_default_set() -> list[Variant]:
     of fp16/bf16 caches come with and without the V guard. Other head
     counts run the online variants for any group (head dim 128, page 16,
     groups up to 16: _any_group_gpu_defaults), else the explicit variants
-    of any_heads_variants (head dims 64/128/256, pages 16/64); both also
-    over head-major (HND) pages of 16 rows.
+    of any_heads_variants (head dims 64/128/256, page 16 and any page
+    size); both also over head-major (HND) pages of 16 rows.
     """
     out = []
     for dtype in ("f16", "bf16"):
@@ -124,7 +130,7 @@ def gpu_default_set() -> list[Variant]:
     out += _any_group_gpu_defaults()
     out += without_v_guard(out)
     out += _static_quant_variants()
-    out += any_heads_variants(("f16", "bf16"), (16, 64))
+    out += any_heads_variants(("f16", "bf16"), HOST_PAGES)
     out += head_major(any_heads_variants(("f16", "bf16"), (16,)))
     return out
 

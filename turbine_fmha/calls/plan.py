@@ -60,6 +60,7 @@ class KernelCall:
     q_itemsize: int
     nhead_q: int
     block_table: np.ndarray  # [batch, width] int32
+    page: int  # rows per page of the caches (a variant may take any: Variant.page_block_size)
     seqlen_q: np.ndarray  # [batch] int32, query rows of each sequence (<= rows)
     seqlen_k: np.ndarray  # [batch] int32
     kv_shift: np.ndarray  # [batch] int32, key t is gathered row kv_shift + t
@@ -118,7 +119,7 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
     fparams = np.array([c.scale, c.softcap, c.scale_o, c.scale_p], np.float32)
     left, right = c.mask.kernel_sides
     bias = c.bias
-    nk = c.block_table.shape[1] * variant.page_block_size
+    nk = c.block_table.shape[1] * c.page
     if bias is not None and bias.shape[3] != nk:
         # The kernel reads keys up to the table width; keys past seqlen_k are
         # masked, so the padding value does not matter.
@@ -129,7 +130,7 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
 
     def step(b0, b1, s, e, tile):
         pad = (lambda a: _pad_rows(a, tile[0])) if tile else (lambda a: a)
-        w = _pages_needed(variant, c, mask, b0, b1, e)
+        w = _pages_needed(c, mask, b0, b1, e)
         args = dict(
             block_table=lambda: np.ascontiguousarray(pad(c.block_table[b0:b1])[:, :w]),
             seqlen_q=lambda: pad(c.seqlen_q[b0:b1]),
@@ -138,7 +139,7 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
             fparams=lambda: fparams,
             iparams=lambda: np.array([s, left, right, c.mask.sink], np.int32),
             alibi_slopes=lambda: np.ascontiguousarray(pad(c.alibi_slopes[b0:b1])),
-            bias=lambda: _bias_rows(bias, b0, b1, s, e, w * variant.page_block_size, tile, pad),
+            bias=lambda: _bias_rows(bias, b0, b1, s, e, w * c.page, tile, pad),
             sinks=lambda: c.sinks,
         )
         n = max(1, variant.merge_splits)
@@ -200,7 +201,7 @@ def _pad_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
     return out
 
 
-def _pages_needed(variant: Variant, c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_end: int) -> int:
+def _pages_needed(c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_end: int) -> int:
     """Table columns that query rows below `row_end` of entries b0:b1 can
     reach: with a right mask edge, later pages are never read (ck_tile
     skips those blocks the same way)."""
@@ -209,7 +210,7 @@ def _pages_needed(variant: Variant, c: KernelCall, mask: MaskSpec, b0: int, b1: 
         return width
     keys = mask.keys_reachable(row_end, c.seqlen_q[b0:b1], c.seqlen_k[b0:b1])
     rows = keys + c.kv_shift[b0:b1].astype(np.int64)  # gathered rows n < rows
-    return int(min(width, max(1, -(-int(rows.max()) // variant.page_block_size))))
+    return int(min(width, max(1, -(-int(rows.max()) // c.page))))
 
 
 def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.ndarray:
@@ -295,7 +296,7 @@ def modelled_cost(variant: Variant, c: KernelCall) -> float:
     for st in steps:
         entries, rows = st.tile or (st.b1 - st.b0, st.e - st.s)
         rate = min(1.0, entries * rows / FULL_LAUNCH_ROWS) ** (2 / 3)
-        elements += entries * rows * st.width * variant.page_block_size / rate
+        elements += entries * rows * st.width * c.page / rate
     return elements + len(steps) * PREFILL_LAUNCH_ELEMENTS
 
 
@@ -343,7 +344,7 @@ def merged_decode_splits(work_items: int, units: int, keys: int, available) -> i
     return max((n for n in available if 1 < n <= want), default=1)
 
 
-def split_kv(c: KernelCall, page: int, n: int, merged: bool = False) -> KernelCall:
+def split_kv(c: KernelCall, n: int, merged: bool = False) -> KernelCall:
     """The call as n partial calls over disjoint runs of block-table columns,
     stacked as batch entries b * n + j (q is repeated likewise: see
     repeat_rows). Entry (b, j) keeps absolute key
@@ -352,6 +353,7 @@ def split_kv(c: KernelCall, page: int, n: int, merged: bool = False) -> KernelCa
     Sinks are left to combine_splits, or kept for a variant that merges the
     splits itself (`merged`)."""
     batch, width = c.block_table.shape
+    page = c.page
     per = -(-width // n)
     # Columns past the table's width repeat each row's first page (a page
     # the sequence owns; see fill_unused_slots).

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-# Head dims and page size are always static, and heads unless the variant
-# reads them at run time (fwd_types); the online formulation also fixes
+# Head dims are always static, and the page size and heads unless the
+# variant reads them at run time (fwd_types); the online formulation also fixes
 # batch tile and query rows (on gfx942 a dynamic query length gets no MFMA).
 STATIC = {
     "explicit": frozenset({"HQ", "HK", "D", "DV", "PG"}),
@@ -129,6 +129,7 @@ FWD = Kernel(
         Attr("merge_splits", "int"),
         Attr("runtime_heads", "int"),
         Attr("group", "int"),
+        Attr("runtime_page", "int"),
     ),
     results=(
         Tensor("out", ("BO", "S", "HQ", "DV"), "Q"),
@@ -229,6 +230,7 @@ def fwd_attrs(v) -> dict:
         merge_splits=v.merge_splits,
         runtime_heads=int(v.runtime_heads),
         group=v.group,
+        runtime_page=int(v.runtime_page),
     )
 
 
@@ -250,8 +252,8 @@ def _bound(sizes: dict, static: frozenset) -> dict:
 
 
 def fwd_types(v) -> Types:
-    """The attention declaration bound for Variant `v` (head counts dynamic
-    where the variant reads them at run time)."""
+    """The attention declaration bound for Variant `v` (head counts and the
+    page size dynamic where the variant reads them at run time)."""
     hq, hk = ("?", "?") if v.runtime_heads else (v.nhead_q, v.nhead_k)
     sym = _bound(
         {
@@ -269,6 +271,8 @@ def fwd_types(v) -> Types:
         },
         STATIC[v.formulation],
     )
+    if v.runtime_page:
+        sym["PG"] = "?"
     # G: query heads per KV head (HQ = HK x G), of the views that split HQ.
     sym["G"] = (v.group or "?") if v.runtime_heads else v.nhead_q // v.nhead_k
     full = frozenset()

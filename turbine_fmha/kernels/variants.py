@@ -10,8 +10,9 @@ Which sizes are static is a codegen decision:
     batch tile ``bt`` and query rows ``mq`` static, page count dynamic. On
     gfx942 a dynamic query length compiles to per-lane FMA with no MFMA,
     while static rows and query length get MFMA; the runtime pads/chunks.
-Head dims and page size are static in every variant; head counts too,
-unless the variant reads them at run time (Variant.group).
+Head dims are static in every variant; the page size too, unless an
+explicit variant takes any (page_block_size 0); head counts too, unless the
+variant reads them at run time (Variant.group).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class Variant(Named):
     hdim_v: int = dataclasses.field(metadata=number(2, "x"))
     nhead_q: int = dataclasses.field(metadata=number(3, "_h", omit=0))
     nhead_k: int = dataclasses.field(metadata=number(4, "x", omit=0))
+    # Rows per page; 0 (explicit variants only, named _pg0): any page size,
+    # read from the caches' shapes at run time, so that one artifact serves
+    # every page size of its other fields.
     page_block_size: int = dataclasses.field(metadata=number(6, "_pg"))
     mask: str = dataclasses.field(default="none", metadata=enum(9, _MASK_TAG))
     bias: str = dataclasses.field(
@@ -147,9 +151,14 @@ class Variant(Named):
             raise ValueError("logits soft-cap cannot be combined with a bias or ALiBi")
         if self.formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}")
-        for f in ("hdim_q", "hdim_v", "page_block_size"):
+        for f in ("hdim_q", "hdim_v"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.page_block_size < 0 or (self.runtime_page and self.formulation != "explicit"):
+            raise ValueError(
+                f"page_block_size must be positive, or 0 (any page size) in the explicit formulation, "
+                f"got {self.page_block_size} ({self.formulation})"
+            )
         self._check_heads()
         static = self.batch_tile > 0 and self.seqlen_q_tile > 0
         if self.formulation == "online" and not static:
@@ -200,6 +209,11 @@ class Variant(Named):
     def runtime_heads(self) -> bool:
         """Head counts read from the arguments at run time (Variant.group)."""
         return self.nhead_q == 0 and self.nhead_k == 0
+
+    @property
+    def runtime_page(self) -> bool:
+        """Any page size, read from the caches at run time (page_block_size 0)."""
+        return self.page_block_size == 0
 
     @property
     def static_quant(self) -> bool:
@@ -342,6 +356,12 @@ def runtime_heads(problem: dict, any_group: bool = False) -> dict:
     """The problem of the variants with run-time head counts that serve a
     call of `problem`: for its GQA group, or for any group."""
     return dict(problem, nhead_q=0, nhead_k=0, group=0 if any_group else group_of(problem))
+
+
+def any_page(problem: dict) -> dict:
+    """The problem of the variants of any page size that serve a call of
+    `problem` (explicit only: Variant.page_block_size)."""
+    return dict(problem, page_block_size=0)
 
 
 def group_rows_for(problem: dict, seqlen_q_tile: int) -> int:

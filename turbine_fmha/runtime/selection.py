@@ -11,6 +11,7 @@ from ..kernels.variants import (
     GPU_PREFILL_TILE,
     MERGE_SPLITS,
     Variant,
+    any_page,
     decode_batch_tile,
     group_of,
     online_unsupported,
@@ -134,8 +135,8 @@ class VariantSelection:
             # the other way round: one more launch costs more host time than
             # padded batch entries cost on the device (docs/devlog/perf-notes.md).
             # At equal cost, a built variant before compiling one, then the
-            # most specialized heads.
-            tail = (v.v_guard, v.name not in self._index, _heads_rank(v))
+            # most specialized page size and heads.
+            tail = (v.v_guard, v.name not in self._index, v.runtime_page, _heads_rank(v))
             if v.formulation == "explicit":
                 return (0, 0) + tail
             btiles = -(-batch // v.batch_tile)
@@ -214,13 +215,15 @@ class VariantSelection:
     def _served_by(self, problem: dict) -> list[Variant]:
         """The listed variants that can serve a call of `problem`: those of
         its head counts, then those reading head counts at run time for its
-        GQA group, then for any group."""
+        GQA group, then for any group; each of its page size, then of any."""
         return self._remembered("served", (_problem_key(problem),), lambda: self._scan(problem))
 
     def _scan(self, problem: dict) -> tuple:
         keys = [problem]
         if problem["nhead_k"]:
             keys += [runtime_heads(problem), runtime_heads(problem, any_group=True)]
+        if problem["page_block_size"]:
+            keys += [any_page(k) for k in keys]
         group = group_of(problem)
         return tuple(v for k in keys for v in self._by_problem.get(_problem_key(k), []) if v.serves_group(group))
 
