@@ -29,10 +29,10 @@ DEFAULT_HEADS = ((32, 8), (8, 8))
 DEFAULT_PAGES = (1, 16, 32, 64, 128)
 # The explicit variants' pages: 16 compiled for its size, every other page
 # size by kernels of any page (Variant.page_block_size 0), which cost
-# 0.96-1.11x the exact page's with exact head counts on the CPU
-# (benchmarks/any_page.py; docs/benchmarks.md) and build the host set in
-# half the time. (The GPUs' explicit fallback had pages 16 and 64, with the
-# same ISA at 64 and any page on gfx942: no MFMA either way.)
+# 0.96-1.08x the exact page's with exact head counts on the CPU and build
+# the host set in 0.63x the time (docs/benchmarks.md). (The GPUs' explicit
+# fallback had pages 16 and 64, with the same ISA at 64 and any page on
+# gfx942: no MFMA either way.)
 HOST_PAGES = (16, 0)
 DEFAULT_HDIMS = (64, 128)
 # Any head counts (run-time heads, any GQA group: Variant.group) for these
