@@ -15,7 +15,8 @@ Columns (all milliseconds per call unless said):
   run(finite)  PagedAttention.run() on tables planned once with
                kv_rows_finite=True (what PagedKVCache promises)
   run()        the same plan made with kv_rows_finite=None (the default):
-               each run looks at the V rows past the keys first
+               each run checks the V rows past the keys (on torch
+               CUDA caches behind its kernels)
   one-shot     fmha_fwd_paged with its defaults (plan + run per call)
   torch        torch gather+SDPA, as above
   x torch      torch / ours for run(finite), run(), one-shot (> 1: turbine-fmha faster)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import make_problem
-from test_modes import _check, _gappy_table, _pool
+from test_modes import _check, _gappy_table, _group_problem, _pool
 
 import turbine_fmha
 from turbine_fmha.calls.plan import stale_rows_finite
@@ -319,3 +319,85 @@ def test_nan_or_inf_in_a_key_some_rows_do_not_see(explicit_session, online_sessi
     assert np.abs(out[0, :6].astype(np.float64) - ref[0, :6]).max() <= 5e-3 * np.abs(ref[0, :6]).max()
     if formulation != "explicit":
         assert session.last_variant.v_guard == (formulation == "online_guarded")
+
+
+# On a torch GPU cache, run() checks the stale V rows behind its kernels
+# (attention._Plan._defers): the kernels first assume finite rows, and the
+# call runs again guarded when the check, read after their wait, says no.
+# Patching _defers gives the CPU the same control flow.
+
+
+@pytest.fixture
+def deferring(online_session, monkeypatch):
+    from turbine_fmha.api import attention
+
+    monkeypatch.setattr(attention._Plan, "_defers", staticmethod(lambda v_cache: True))
+    monkeypatch.setattr(attention, "_NONFINITE_SEEN", {})
+    calls = []
+    run_variants = online_session.run_variants
+
+    def counted(variant, *a, **k):
+        calls.append(variant)
+        return run_variants(variant, *a, **k)
+
+    monkeypatch.setattr(online_session, "run_variants", counted)
+    return calls
+
+
+def _decode_plan(session, bt, sk, k, **kw):
+    return turbine_fmha.PagedAttention(session).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=8, nhead_k=2, hdim=64, dtype="f16", **kw
+    )
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 9])
+@pytest.mark.parametrize("given_out", [False, True])
+def test_deferred_check_reruns_guarded(online_session, deferring, rng, seqlen_q, given_out):
+    """NaN in a stale V row: the first run's unguarded result is NaN, so the
+    call runs again guarded (two kernel runs) and returns the exact result,
+    into a poisoned `out` too; the next run on the same cache checks first
+    and runs once, guarded. With the rows made finite, the check before the
+    kernels passes, and from then on the kernels run once, unguarded."""
+    lens = [17, 40, 30, 64]
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=4, seqlen_q=seqlen_q, seqlens_k=lens, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
+    b = int(rng.integers(0, 3))
+    last = bt[b, (lens[b] - 1) // 16]
+    v[last, lens[b] % 16 :] = np.nan
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    attn = _decode_plan(online_session, bt, sk, k, seqlen_q=seqlen_q, **kw)
+
+    def run(expect_calls, guarded):
+        deferring.clear()
+        out = np.full(q.shape, np.nan, np.float16) if given_out else None
+        got, lse = attn.run(q, k, v, out=out, return_lse=True)
+        ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+        _check(got, lse, ref, ref_lse, "f16")
+        assert given_out is False or got is out
+        assert [x.v_guard for x in deferring] == [False] * (expect_calls - 1) + [guarded]
+        assert online_session.last_variant.v_guard == guarded
+
+    run(2, True)  # unguarded (NaN), then guarded
+    run(1, True)  # checked before: guarded at once
+    v[last, lens[b] % 16 :] = 0.5
+    run(1, False)  # checked before, finite: forgotten
+    run(1, False)  # deferred again, and right
+
+
+def test_deferred_check_reruns_only_the_part_it_concerns(online_session, deferring, rng):
+    """A mixed batch (decodes and prefills, run as two parts): NaN in a stale
+    V row of a decode reruns the decode part alone, into the same outputs;
+    the prefill part's rows stay as it computed them."""
+    seqlens_q, seqlens_k = [1, 90, 1, 40], [300, 90, 17, 200]
+    q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k)
+    v[bt[0, 299 // 16], 300 % 16 :] = np.nan
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    attn = _decode_plan(online_session, bt, sk, k, seqstart_q=seqstart, **kw)
+    decode, prefill = attn._plan.parts
+    out = np.full((q.shape[0], 8, 64), np.nan, np.float16)
+    out, lse = attn.run(q, k, v, out=out, return_lse=True)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, **kw)
+    _check(out, lse, ref, ref_lse, "f16")
+    assert [x.v_guard for x in deferring] == [False, False, True]
+    assert deferring[2] is decode._variant(False) and deferring[1] is prefill._variant(True)

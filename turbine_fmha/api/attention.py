@@ -26,13 +26,17 @@ from ..calls.plan import (
     repeat_rows,
     row_entries,
     rows_finite,
+    rows_finite_flag,
     split_kv,
     stale_rows,
 )
 from ..calls.problem import Problem, layout_of_params, problem, scores, tables
 from ..core.arrays import (
+    LaterBool,
+    _byte_range,
     _cache_array,
     _check_tensor_devices,
+    _device_of,
     _DeviceCache,
     _from_numpy,
     _is_torch,
@@ -52,6 +56,14 @@ from .conventions import conventions
 
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
+
+# V caches (device, byte range) whose stale rows a deferred check last found
+# non-finite: run() checks those before it queues anything, so a cache of
+# garbage rows (torch.empty) does not run every call twice. Process-wide,
+# because a serving engine plans anew each step; forgotten when a check
+# finds the rows finite, all at once beyond the bound.
+_NONFINITE_SEEN: dict[tuple, bool] = {}
+MAX_NONFINITE_SEEN = 4096
 
 
 @untraced_methods
@@ -77,7 +89,9 @@ class PagedAttention:
     [total_q, nhead_q, hdim]; caches of the planned layout), on the
     session's device or the host, and returns like fmha_fwd_paged. With
     kv_rows_finite=None, each run checks its V cache's stale rows (a look at
-    one or two pages per sequence); True skips the check.
+    one or two pages per sequence; on torch GPU caches behind the unguarded
+    kernels, which run again guarded if a row was not finite); True skips
+    the check.
     """
 
     def __init__(self, session: Session | None = None, *, device: str | None = None):
@@ -158,6 +172,12 @@ class PagedAttention:
         if self._plan is None:
             raise RuntimeError("PagedAttention.run() before plan()")
         return self._plan.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
+
+
+def _memory_of(v_cache) -> tuple:
+    """Where a V cache's memory is (_NONFINITE_SEEN's key)."""
+    a = v_cache.tensor if isinstance(v_cache, _TorchDeviceCache) else v_cache
+    return _device_of(a), _byte_range(a)
 
 
 class _Plan:
@@ -325,9 +345,12 @@ class _Plan:
             self._steps[key] = steps
         return steps
 
-    def _rows_finite(self, v_cache) -> bool:
+    def _rows_finite(self, v_cache, defer: bool = False):
         """Whether the V rows the kernels read past the keys are finite (an
-        unguarded variant may then run)."""
+        unguarded variant may then run). With `defer`, a cache that _defers
+        and whose stale rows were not last seen non-finite gets a LaterBool
+        instead: the check is queued on the device, and read once the
+        kernels it chose are queued too."""
         if not self.guard_free:
             return False
         if self.p.kv_rows_finite is not None:
@@ -341,7 +364,19 @@ class _Plan:
         index = self._stale_index.get(key)
         if index is None:  # uploaded once per plan and device
             index = self._stale_index[key] = [ops_for(cache).like(i, cache) for i in self.stale]
-        return rows_finite(cache, index, self.p.layout.kv_layout)
+        if defer and self._defers(v_cache) and _memory_of(v_cache) not in _NONFINITE_SEEN:
+            return LaterBool(lambda: rows_finite_flag(cache, index, self.p.layout.kv_layout))
+        finite = rows_finite(cache, index, self.p.layout.kv_layout)
+        if finite and _NONFINITE_SEEN:
+            _NONFINITE_SEEN.pop(_memory_of(v_cache), None)
+        return finite
+
+    @staticmethod
+    def _defers(v_cache) -> bool:
+        """Whether run() checks this cache's stale rows behind its kernels:
+        a torch GPU cache, whose check would otherwise wait for the device
+        before anything is queued (a host-side check costs no wait)."""
+        return isinstance(v_cache, _TorchDeviceCache)
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
         session = self.session
@@ -358,20 +393,44 @@ class _Plan:
         ):
             torch_writes_done()
         v_src = v_cache if not _is_torch(v_cache) else vc
-        work = [(pt, pt._variant(pt._rows_finite(v_src))) for pt in self.parts if pt.rows]
-        steps = [pt._device_steps(v, results) for pt, v in work]
-        if out is None and len(work) == 1 and work[0][0] is self and self._direct(steps[0]):
-            # One kernel call computes exactly the output: its results are it.
-            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)[0]
-            out, lse = res if return_lse else (res[0], None)
-        else:
-            out, lse = self._allocate(q, out, results)
-            for (pt, variant), st in zip(work, steps):
-                pt._compute(variant, st, q, kc, vc, results, out, lse)
+        parts = [pt for pt in self.parts if pt.rows]
+        finite = [pt._rows_finite(v_src, defer=True) for pt in parts]
+        # A deferred check starts once the kernels are queued, behind them,
+        # and its answer is read after their wait; the kernels assume finite
+        # rows meanwhile, and run again guarded if they were not.
+        later = [f for f in finite if isinstance(f, LaterBool)]
+        if later:
+            results.while_queued = lambda: [f.start() for f in later]
+        work = [(pt, pt._variant(f if isinstance(f, bool) else True)) for pt, f in zip(parts, finite)]
+        given_out = out
+        out, lse = self._launch(work, q, kc, vc, results, out, return_lse)
+        redo = [(pt, pt._variant(False)) for pt, f in zip(parts, finite) if isinstance(f, LaterBool) and not f.value()]
+        if redo:
+            if len(_NONFINITE_SEEN) >= MAX_NONFINITE_SEEN:
+                _NONFINITE_SEEN.clear()
+            _NONFINITE_SEEN[_memory_of(v_src)] = True
+            if len(redo) == len(work):
+                out, lse = self._launch(redo, q, kc, vc, results, given_out, return_lse)
+            else:  # a mixed batch's other part was right: its rows stay
+                self._launch(redo, q, kc, vc, results, out, return_lse, lse)
         if torch_results or not _is_torch(like):
             return (out, lse) if return_lse else out
         out_t = _from_numpy(out, like)
         return (out_t, _from_numpy(lse, like)) if return_lse else out_t
+
+    def _launch(self, work, q, kc, vc, results, out, return_lse, lse=None):
+        """(out, lse) of the parts' kernels (`work`: (part, variant)); with
+        `lse`, the parts write into the `out` and `lse` of an earlier launch."""
+        steps = [pt._device_steps(v, results) for pt, v in work]
+        if lse is None and out is None and len(work) == 1 and work[0][0] is self and self._direct(steps[0]):
+            # One kernel call computes exactly the output: its results are it.
+            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)[0]
+            return res if return_lse else (res[0], None)
+        if lse is None:
+            out, lse = self._allocate(q, out, results)
+        for (pt, variant), st in zip(work, steps):
+            pt._compute(variant, st, q, kc, vc, results, out, lse)
+        return out, lse
 
     def _arrays(self, q, k_cache, v_cache, out):
         """Checks the layer's arrays against the plan; returns (q, k and v

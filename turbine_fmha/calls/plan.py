@@ -430,9 +430,15 @@ def rows_finite(cache, index, kv_layout: str = "NHD") -> bool:
     [pages, page, heads, dim] ([pages, heads, page, dim] for kv_layout
     "HND") are all finite: numpy, or a torch cache on its own device with
     the index there too (one gather, one reduction, one sync)."""
+    return bool(rows_finite_flag(cache, index, kv_layout))
+
+
+def rows_finite_flag(cache, index, kv_layout: str = "NHD"):
+    """rows_finite's answer unread: a 0-d bool array beside the cache (on a
+    GPU, work queued on torch's stream that nothing has waited for)."""
     xp = ops_for(cache)
     rows = cache[index[0], :, index[1]] if kv_layout == "HND" else cache[index[0], index[1]]
-    return bool(xp.isfinite(xp.f32(rows)).all())
+    return xp.isfinite(xp.f32(rows)).all()
 
 
 def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):

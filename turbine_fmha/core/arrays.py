@@ -223,6 +223,9 @@ class _Results:
     def __init__(self, session, like=None):
         self.session = session
         self.torch_device = None if like is None else like.device
+        # Host work for the wait of the next run() (Session.run_variants'
+        # while_queued), taken by that run.
+        self.while_queued = None
 
     def empty(self, shape, dtype, fill=None):
         if self.torch_device is None:
@@ -237,8 +240,9 @@ class _Results:
 
     def run(self, variant, arg_lists, outputs: int = 2) -> list:
         """Session.run_variants' results, as this object's kind of arrays."""
+        hook, self.while_queued = self.while_queued, None
         if self.torch_device is None:
-            return self.session.run_variants(variant, arg_lists, outputs=outputs)
+            return self.session.run_variants(variant, arg_lists, outputs=outputs, while_queued=hook)
         if self.torch_device.type == "cpu":
             arg_lists = [[_to_numpy(a, "q") if _is_torch(a) else a for a in args] for args in arg_lists]
         else:
@@ -261,7 +265,7 @@ class _Results:
             torch_writes_done(self.torch_device)
         return [
             self.session.to_torch(*r)
-            for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs)
+            for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs, while_queued=hook)
         ]
 
     def upload(self, arrays: list) -> list:
@@ -305,6 +309,40 @@ def torch_writes_done(device=None) -> None:
     import torch
 
     torch.cuda.current_stream(device).synchronize()
+
+
+class LaterBool:
+    """A bool that `compute` (returning a 0-d bool array) yields, asked for
+    early and read late: start() queues it, value() reads it. A torch GPU
+    answer travels to pinned host memory behind an event on torch's
+    current stream, so reading it waits for the work queued up to it and
+    for nothing queued later."""
+
+    def __init__(self, compute):
+        self._compute = compute
+        self._host = self._event = None
+        self._started = False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        flag = self._compute()
+        if not (_is_torch(flag) and flag.is_cuda):
+            self._host = bool(flag)
+            return
+        import torch
+
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._host.copy_(flag, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(flag.device))
+
+    def value(self) -> bool:
+        self.start()
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host)
 
 
 def _numpy_to_torch(a: np.ndarray):

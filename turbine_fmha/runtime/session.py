@@ -343,11 +343,15 @@ class Session(VariantSelection, DeviceInterop):
         DeviceArrays with on_device=True (see to_torch)."""
         return self.run_variants(variant, [args], on_device=on_device, outputs=4 if stats else 2)[0]
 
-    def run_variants(self, variant: Variant, arg_lists, on_device: bool = False, outputs: int = 2) -> list:
+    def run_variants(
+        self, variant: Variant, arg_lists, on_device: bool = False, outputs: int = 2, while_queued=None
+    ) -> list:
         """The first `outputs` results of each call (out, lse, then the
         max and sum of stats) for each argument list, the calls queued back
         to back and waited for at the end (a chunked prefill's calls are
-        independent). Results not asked for are never mapped or copied."""
+        independent). Results not asked for are never mapped or copied.
+        `while_queued()`, if given, runs once the calls are queued and
+        before their wait: host work that the device's then hides."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
         # No call waits for the one before it: IREE's allocations would wait
@@ -356,6 +360,8 @@ class Session(VariantSelection, DeviceInterop):
         try:
             for i, args in enumerate(arg_lists):
                 calls.append(loaded.enqueue(list(args), own_timeline=i > 0))
+            if while_queued is not None:
+                while_queued()
         finally:
             # Every queued call is waited for, also when a later one could
             # not be queued: they read their arguments' memory until done.
