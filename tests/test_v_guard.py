@@ -130,10 +130,15 @@ def test_nan_in_visible_data_propagates_like_the_reference(explicit_session, onl
         assert session.last_variant.v_guard == (formulation == "online_guarded")
 
 
-@pytest.mark.parametrize("poison", ["none", "k_tail", "v_tail", "v_gappy_head", "visible"])
+@pytest.mark.parametrize(
+    "poison", ["none", "k_tail", "v_tail", "v_tail_inf_pair", "v_gappy_head", "visible", "v_all_max"]
+)
 def test_stale_rows_check_on_torch_caches(rng, poison):
     """torch caches are checked by the same rows_finite, on their own device
-    (here the CPU): same answer as the numpy check for each placement."""
+    (here the CPU): same answer as the numpy check for each placement. The
+    check sums the rows in float32: +Inf and -Inf in two stale rows (a sum
+    of NaN) still say no, and a cache of f16's largest values (a sum that
+    would overflow in f16) says yes."""
     torch = pytest.importorskip("torch")
 
     page, lens, shift = 16, [17, 40, 5], np.array([0, 0, 3], np.int32)
@@ -145,12 +150,17 @@ def test_stale_rows_check_on_torch_caches(rng, poison):
         k[bt[0, 1], 5, 1, 3] = np.inf  # key 21 of sequence 0 (it has 17)
     elif poison == "v_tail":
         v[bt[1, 2], 15] = np.nan  # row 47 of sequence 1 (it has 40)
+    elif poison == "v_tail_inf_pair":
+        v[bt[1, 2], 15, 0, 0] = np.inf
+        v[bt[1, 2], 14, 1, 3] = -np.inf
+    elif poison == "v_all_max":
+        v[...] = np.float16(65504.0)
     elif poison == "v_gappy_head":
         v[bt[2, 0], 1] = np.nan  # before sequence 2's first key (kv_shift 3)
     elif poison == "visible":
         k[bt[1, 0], 3] = np.nan  # a real key: not a stale row
     want = stale_rows_finite(v, bt, sk, shift, page)
-    assert want == (poison in ("none", "visible", "k_tail"))  # stale K never matters
+    assert want == (poison in ("none", "visible", "k_tail", "v_all_max"))  # stale K never matters
     got = stale_rows_finite(torch.from_numpy(v), bt, sk, shift, page)
     assert got == want
 
@@ -388,7 +398,9 @@ def test_deferred_check_reruns_guarded(online_session, deferring, rng, seqlen_q,
 def test_deferred_check_reruns_only_the_part_it_concerns(online_session, deferring, rng):
     """A mixed batch (decodes and prefills, run as two parts): NaN in a stale
     V row of a decode reruns the decode part alone, into the same outputs;
-    the prefill part's rows stay as it computed them."""
+    the prefill part's rows stay as it computed them. Later runs check
+    first: the decode part runs guarded, the prefill part (finite rows)
+    not, and the cache stays remembered as non-finite."""
     seqlens_q, seqlens_k = [1, 90, 1, 40], [300, 90, 17, 200]
     q, k, v, bt, sk, seqstart = _group_problem(rng, "f16", seqlens_q, seqlens_k)
     v[bt[0, 299 // 16], 300 % 16 :] = np.nan
@@ -401,3 +413,8 @@ def test_deferred_check_reruns_only_the_part_it_concerns(online_session, deferri
     _check(out, lse, ref, ref_lse, "f16")
     assert [x.v_guard for x in deferring] == [False, False, True]
     assert deferring[2] is decode._variant(False) and deferring[1] is prefill._variant(True)
+    for _ in range(2):
+        deferring.clear()
+        out, lse = attn.run(q, k, v, out=np.full_like(out, np.nan), return_lse=True)
+        _check(out, lse, ref, ref_lse, "f16")
+        assert deferring == [decode._variant(False), prefill._variant(True)]

@@ -151,7 +151,8 @@ def main() -> int:
             run([False, True], "NaN stale row, first run: unguarded, then guarded")
         else:  # the decode part alone runs again (the NaN is in a decode's page)
             run([False, False, True], "NaN stale row, first run: both parts unguarded, the decode part again guarded")
-        run([True] * parts, "NaN stale row, second run: checked first, guarded")
+        for i in (2, 3):  # a mixed batch's prefill part has finite rows: unguarded
+            run([True] + [False] * (parts - 1), f"NaN stale row, run {i}: checked first, guarded where it must")
         vt[b_nan[0], b_nan[1] :] = 0.25
         v[b_nan[0], b_nan[1] :] = 0.25
         run([False] * parts, "rows made finite: checked first, unguarded")

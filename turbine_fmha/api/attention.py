@@ -10,6 +10,8 @@ run on the arrays it is given.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..build.artifacts import ArtifactError
@@ -26,7 +28,7 @@ from ..calls.plan import (
     repeat_rows,
     row_entries,
     rows_finite,
-    rows_finite_flag,
+    rows_sum,
     split_kv,
     stale_rows,
 )
@@ -360,16 +362,14 @@ class _Plan:
         if isinstance(v_cache, _DeviceCache) and not isinstance(v_cache, _TorchDeviceCache):
             return False  # IREE device arrays are not looked at
         cache = v_cache.tensor if isinstance(v_cache, _TorchDeviceCache) else v_cache
+        kv_layout = self.p.layout.kv_layout
         key = str(getattr(cache, "device", "host"))
         index = self._stale_index.get(key)
         if index is None:  # uploaded once per plan and device
             index = self._stale_index[key] = [ops_for(cache).like(i, cache) for i in self.stale]
         if defer and self._defers(v_cache) and _memory_of(v_cache) not in _NONFINITE_SEEN:
-            return LaterBool(lambda: rows_finite_flag(cache, index, self.p.layout.kv_layout))
-        finite = rows_finite(cache, index, self.p.layout.kv_layout)
-        if finite and _NONFINITE_SEEN:
-            _NONFINITE_SEEN.pop(_memory_of(v_cache), None)
-        return finite
+            return LaterBool(lambda: rows_sum(cache, index, kv_layout), math.isfinite)
+        return rows_finite(cache, index, kv_layout)
 
     @staticmethod
     def _defers(v_cache) -> bool:
@@ -395,6 +395,10 @@ class _Plan:
         v_src = v_cache if not _is_torch(v_cache) else vc
         parts = [pt for pt in self.parts if pt.rows]
         finite = [pt._rows_finite(v_src, defer=True) for pt in parts]
+        if _NONFINITE_SEEN and all(f is True for f in finite):
+            # Checked before the kernels and finite in every part: deferred
+            # from now on. (One part's finite rows say nothing of another's.)
+            _NONFINITE_SEEN.pop(_memory_of(v_src), None)
         # A deferred check starts once the kernels are queued, behind them,
         # and its answer is read after their wait; the kernels assume finite
         # rows meanwhile, and run again guarded if they were not.

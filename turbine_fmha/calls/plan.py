@@ -430,15 +430,20 @@ def rows_finite(cache, index, kv_layout: str = "NHD") -> bool:
     [pages, page, heads, dim] ([pages, heads, page, dim] for kv_layout
     "HND") are all finite: numpy, or a torch cache on its own device with
     the index there too (one gather, one reduction, one sync)."""
-    return bool(rows_finite_flag(cache, index, kv_layout))
+    return math.isfinite(float(rows_sum(cache, index, kv_layout)))
 
 
-def rows_finite_flag(cache, index, kv_layout: str = "NHD"):
-    """rows_finite's answer unread: a 0-d bool array beside the cache (on a
-    GPU, work queued on torch's stream that nothing has waited for)."""
+def rows_sum(cache, index, kv_layout: str = "NHD"):
+    """rows_finite's answer unread: the rows' float32 sum, a 0-d array
+    beside the cache (on a GPU, work queued on torch's stream that nothing
+    has waited for). It is finite if the rows are: a NaN or an Inf in them
+    makes it NaN or +-Inf. Finite rows whose sum overflows (only values
+    near float32's maximum can) make it say no, and the guarded kernels
+    run: safe. One reduction, where torch's isfinite is several kernels
+    (each a host launch on the call's critical path)."""
     xp = ops_for(cache)
     rows = cache[index[0], :, index[1]] if kv_layout == "HND" else cache[index[0], index[1]]
-    return xp.isfinite(xp.f32(rows)).all()
+    return xp.sum_f32(rows)
 
 
 def stale_rows(block_table: np.ndarray, seqlen_k: np.ndarray, kv_shift: np.ndarray, page: int):

@@ -10,6 +10,7 @@ it is imported only when a torch tensor is passed.
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 
@@ -312,37 +313,52 @@ def torch_writes_done(device=None) -> None:
 
 
 class LaterBool:
-    """A bool that `compute` (returning a 0-d bool array) yields, asked for
-    early and read late: start() queues it, value() reads it. A torch GPU
-    answer travels to pinned host memory behind an event on torch's
-    current stream, so reading it waits for the work queued up to it and
-    for nothing queued later."""
+    """predicate(x) for the 0-d array x that `compute` yields, asked for
+    early and read late: start() queues compute, value() reads it. A torch
+    GPU x travels to pinned host memory behind an event on torch's current
+    stream, so reading it waits for the work queued up to it and for
+    nothing queued later."""
 
-    def __init__(self, compute):
-        self._compute = compute
-        self._host = self._event = None
+    # Per thread and device, the (pinned float, event) pairs of values read:
+    # reused, so a check allocates nothing.
+    _spare = threading.local()
+
+    def __init__(self, compute, predicate=bool):
+        self._compute, self._predicate = compute, predicate
+        self._host = self._pair = None
         self._started = False
 
     def start(self) -> None:
         if self._started:
             return
         self._started = True
-        flag = self._compute()
-        if not (_is_torch(flag) and flag.is_cuda):
-            self._host = bool(flag)
+        x = self._compute()
+        if not (_is_torch(x) and x.is_cuda):
+            self._host = self._predicate(float(x))
             return
         import torch
 
-        self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._host.copy_(flag, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(flag.device))
+        pools = getattr(self._spare, "pools", None)
+        if pools is None:
+            pools = self._spare.pools = {}
+        self._spare_list = pools.setdefault(x.device, [])  # an event records on its device's streams only
+        if self._spare_list:
+            self._pair = self._spare_list.pop()
+        else:
+            with torch.cuda.device(x.device):
+                self._pair = (torch.empty((), dtype=torch.float32, pin_memory=True), torch.cuda.Event())
+        host, event = self._pair
+        host.copy_(x, non_blocking=True)
+        event.record(torch.cuda.current_stream(x.device))
 
     def value(self) -> bool:
         self.start()
-        if self._event is not None:
-            self._event.synchronize()
-        return bool(self._host)
+        if self._pair is not None:
+            host, event = self._pair
+            event.synchronize()
+            self._host, self._pair = self._predicate(float(host)), None
+            self._spare_list.append((host, event))
+        return self._host
 
 
 def _numpy_to_torch(a: np.ndarray):
@@ -425,6 +441,11 @@ class _NumpyOps:
         return a.any(axis=axis)
 
     @staticmethod
+    def sum_f32(a):
+        """The float32 sum of all of `a` (bf16 and fp8 ones included)."""
+        return np.asarray(a).astype(np.float32, copy=False).sum(dtype=np.float32)
+
+    @staticmethod
     def like(a, ref):
         """`a` (host data) as an array beside `ref`."""
         return np.asarray(a)
@@ -461,6 +482,12 @@ class _TorchOps:
 
     def any(self, a, axis):
         return a.any(dim=axis)
+
+    def sum_f32(self, a):
+        # One reduction kernel for the common caches; fp8 ones convert first.
+        if a.dtype not in (self.t.float16, self.t.bfloat16, self.t.float32):
+            a = a.float()
+        return a.sum(dtype=self.t.float32)
 
     def like(self, a, ref):
         return self.t.as_tensor(a, device=ref.device)
