@@ -74,6 +74,9 @@ def main() -> int:
         "new: index_select + isfinite().all() + copy to reused pinned + reused event": lambda: _new(
             view, flat, host, ev
         ),
+        "rows.sum(dtype=float32)": lambda: rows.sum(dtype=torch.float32),
+        "now: rows_sum + LaterBool start (queued, not read)": lambda: _now_start(v, [pi, ri]),
+        "now: rows_sum + LaterBool start + value (with its wait)": lambda: _now(v, [pi, ri]),
     }
     for name, fn in pieces.items():
         print(f"{name}: {timed(fn):.1f} us host per call", flush=True)
@@ -85,6 +88,12 @@ def _old(v, pi, ri):
     h = torch.empty((), dtype=torch.bool, pin_memory=True)
     h.copy_(f, non_blocking=True)
     torch.cuda.Event().record()
+
+
+def _now_start(v, index):
+    b = LaterBool(lambda: rows_sum(v, index), math.isfinite)
+    b.start()
+    return b
 
 
 def _now(v, index):
