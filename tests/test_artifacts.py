@@ -40,8 +40,9 @@ SLOW = [Variant("f16", 128, 128, 32, 8, 16, m) for m in ("bottom_right", "top_le
 # "go" path ("-": none) that it waits for after its imports, so that two
 # builders read the manifest at the same moment.
 BUILDER = textwrap.dedent("""
-    import dataclasses, os, sys, time
+    import dataclasses, faulthandler, os, signal, sys, time
     from pathlib import Path
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung build's stacks, for the tests' messages
     from turbine_fmha.build import aot as build, targets
     from turbine_fmha.kernels.variants import parse_kernel
     import turbine_fmha.kernels.custom_ops  # the slow import (torch), before "ready"
@@ -211,8 +212,13 @@ def test_ctrl_c_stops_promptly_and_keeps_what_finished(tmp_path):
     try:
         proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
+        # Seen twice on a loaded 2-core machine (2026-12-03), never alone:
+        # the stacks say where it hangs.
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
         proc.kill()
-        raise AssertionError("build still running 10 s after SIGINT") from None
+        _, err = proc.communicate()
+        raise AssertionError(f"build still running 10 s after SIGINT; its threads:\n{err[-6000:]}") from None
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
     # Well under the ~3 s left of SLOW's compile: stopping it and exiting
