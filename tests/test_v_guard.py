@@ -418,3 +418,40 @@ def test_deferred_check_reruns_only_the_part_it_concerns(online_session, deferri
         out, lse = attn.run(q, k, v, out=np.full_like(out, np.nan), return_lse=True)
         _check(out, lse, ref, ref_lse, "f16")
         assert deferring == [decode._variant(False), prefill._variant(True)]
+
+
+@pytest.mark.parametrize("stale_nan", [False, True])
+def test_deferred_check_without_a_guarded_kernel(online_session, deferring, rng, monkeypatch, stale_nan):
+    """Where the artifacts hold no guarded kernel for a rerun, run() checks
+    first, as without deferring: finite rows run once, unguarded; a NaN
+    stale row fails before any kernel runs, and a given `out` keeps what it
+    held."""
+    from turbine_fmha.build.artifacts import ArtifactError
+
+    lens = [17, 40]
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=lens, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
+    if stale_nan:
+        v[bt[1, (lens[1] - 1) // 16], lens[1] % 16 :] = np.nan
+    attn = _decode_plan(online_session, bt, sk, k)
+    part = attn._plan.parts[0]
+    unguarded = part._variant(True)
+
+    def only_unguarded(rows_finite):
+        if not rows_finite:
+            raise ArtifactError("no guarded variant in this artifact set")
+        return unguarded
+
+    monkeypatch.setattr(part, "_variant", only_unguarded)
+    out = rng.standard_normal(q.shape).astype(np.float16)
+    before = out.copy()
+    if stale_nan:
+        with pytest.raises(ArtifactError, match="no guarded variant"):
+            attn.run(q, k, v, out=out)
+        assert deferring == []
+        np.testing.assert_array_equal(out, before)
+    else:
+        _, lse = attn.run(q, k, v, out=out, return_lse=True)
+        assert deferring == [unguarded]
+        _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")

@@ -401,14 +401,25 @@ class _Plan:
             _NONFINITE_SEEN.pop(_memory_of(v_src), None)
         # A deferred check starts once the kernels are queued, behind them,
         # and its answer is read after their wait; the kernels assume finite
-        # rows meanwhile, and run again guarded if they were not.
+        # rows meanwhile, and run again guarded if they were not. The
+        # guarded variants a rerun would take are chosen before anything
+        # runs: where the artifacts hold none, that part is checked now
+        # instead (finite rows run unguarded, others fail here, with `out`
+        # as given).
+        fallback = []
+        for i, (pt, f) in enumerate(zip(parts, finite)):
+            try:
+                fallback.append(pt._variant(False) if isinstance(f, LaterBool) else None)
+            except ArtifactError:
+                finite[i] = f.value()
+                fallback.append(None)
         later = [f for f in finite if isinstance(f, LaterBool)]
         if later:
             results.while_queued = lambda: [f.start() for f in later]
         work = [(pt, pt._variant(f if isinstance(f, bool) else True)) for pt, f in zip(parts, finite)]
         given_out = out
         out, lse = self._launch(work, q, kc, vc, results, out, return_lse)
-        redo = [(pt, pt._variant(False)) for pt, f in zip(parts, finite) if isinstance(f, LaterBool) and not f.value()]
+        redo = [(pt, g) for pt, f, g in zip(parts, finite, fallback) if isinstance(f, LaterBool) and not f.value()]
         if redo:
             if len(_NONFINITE_SEEN) >= MAX_NONFINITE_SEEN:
                 _NONFINITE_SEEN.clear()
