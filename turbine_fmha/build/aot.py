@@ -373,11 +373,19 @@ def _run_all(builder: _Builder, plan, jobs: int, progress) -> list[BuildResult]:
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
     futures = [pool.submit(builder.work, item) for item in plan]
     try:
-        for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-            r = fut.result()
-            results.append(r)
-            if progress:
-                progress(i, len(plan), r)
+        pending = set(futures)
+        while pending:
+            # A wait that wakes: a SIGINT that the kernel hands to a thread
+            # other than this one (as where this one blocks it) only sets
+            # Python's flag, seen when this thread next runs, and an
+            # unbounded wait would see it after the running compile.
+            done, pending = concurrent.futures.wait(
+                pending, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for fut in done:
+                results.append(fut.result())
+                if progress:
+                    progress(len(results), len(plan), results[-1])
     except BaseException:
         # Leaving the pool's `with` would wait for every queued compile.
         builder.compilers.cancel()
