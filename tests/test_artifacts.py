@@ -43,6 +43,12 @@ BUILDER = textwrap.dedent("""
     import dataclasses, faulthandler, os, signal, sys, time
     from pathlib import Path
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung build's stacks, for the tests' messages
+    # As a shell starts a command: SIGINT raises KeyboardInterrupt and is not
+    # blocked, whatever the test process passed down (a SIGINT it ignores or
+    # blocks is inherited; the full suite saw such hangs, alone never).
+    print(f"inherited SIGINT: {signal.getsignal(signal.SIGINT)}, blocked: {signal.pthread_sigmask(signal.SIG_BLOCK, [])}", file=sys.stderr)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from turbine_fmha.build import aot as build, targets
     from turbine_fmha.kernels.variants import parse_kernel
     import turbine_fmha.kernels.custom_ops  # the slow import (torch), before "ready"
