@@ -44,8 +44,9 @@ BUILDER = textwrap.dedent("""
     from pathlib import Path
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung build's stacks, for the tests' messages
     # As a shell starts a command: SIGINT raises KeyboardInterrupt and is not
-    # blocked, whatever the test process passed down (a SIGINT it ignores or
-    # blocks is inherited; the full suite saw such hangs, alone never).
+    # blocked, whatever the test process passed down: a suite started in the
+    # background by a non-interactive shell ignores SIGINT, and its children
+    # inherit that.
     print(f"inherited SIGINT: {signal.getsignal(signal.SIGINT)}, blocked: {signal.pthread_sigmask(signal.SIG_BLOCK, [])}", file=sys.stderr)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -216,8 +217,8 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("main_thread_blocks_sigint", [False, True])
 def test_ctrl_c_stops_promptly_and_keeps_what_finished(tmp_path, main_thread_blocks_sigint):
     """Also where the signal reaches a thread other than the main one (the
-    main thread blocks SIGINT): the build's wait wakes to see it. Before it
-    did, the suite saw a build go on for 10 s after SIGINT, now and then."""
+    main thread blocks SIGINT): the build's wait wakes to see it (before,
+    it waited for the running compile)."""
     out = tmp_path / "out"
     proc = _builder(out, [A1, *SLOW, A2], block_sigint=main_thread_blocks_sigint)
     _wait_for(lambda: A1.name in _entries(out), proc)
