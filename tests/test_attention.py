@@ -306,3 +306,70 @@ def _aligned_copy(a):
     out = aligned_zeros(a.shape, a.dtype)
     out[...] = a
     return out
+
+
+JOINED = {
+    # (formulation, batch, rows): calls along the rows (the explicit
+    # kernels' 64-row chunks of a causal mask; online 128-row tiles, the
+    # last one padded) or along the batch (online tiles of one sequence).
+    "explicit_rows": ("explicit", 2, 150),
+    "online_rows_padded": ("online", 1, 200),
+    "online_batch": ("online", 3, 128),
+}
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "torch"])
+@pytest.mark.parametrize("case", sorted(JOINED))
+def test_calls_tiling_the_outputs_are_joined(explicit_session, online_session, rng, monkeypatch, case, arrays):
+    """A call run as several kernel calls that tile its outputs along one
+    axis gets each output as one concatenation of their results (cut to
+    their rows): nothing is allocated, filled and placed per call (on a
+    GPU each was a host launch), and a given `out` is filled in place.
+    Checked against the float64 reference, LSE included."""
+    import torch
+
+    from turbine_fmha.core.arrays import _Results
+
+    formulation, batch, rows = JOINED[case]
+    session = explicit_session if formulation == "explicit" else online_session
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=batch,
+        seqlen_q=rows,
+        seqlens_k=[rows + 10 * i for i in range(batch)],
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt,
+        sk,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        seqlen_q=rows,
+        **kw,
+    )
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    if arrays == "torch":
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    made = []
+    empty = _Results.empty
+    monkeypatch.setattr(_Results, "empty", lambda self, *a, **kw_: made.append(a) or empty(self, *a, **kw_))
+    out, lse = attn.run(q, k, v, return_lse=True)
+    steps = next(iter(attn._plan._steps.values()))
+    assert len(steps) > 1 and not made, f"{len(steps)} calls, {len(made)} arrays allocated"
+    assert isinstance(out, type(q)) and isinstance(lse, type(q))
+    _check(np.asarray(out), np.asarray(lse), ref, ref_lse, "f16")
+
+    poison = np.full(q.shape, np.nan, np.float16)
+    given = torch.from_numpy(poison.copy()) if arrays == "torch" else poison.copy()
+    got = attn.run(q, k, v, out=given)
+    assert got is given
+    _check(np.asarray(given), np.asarray(lse), ref, ref_lse, "f16")

@@ -441,6 +441,19 @@ class _Plan:
             # One kernel call computes exactly the output: its results are it.
             res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)[0]
             return res if return_lse else (res[0], None)
+        axis = self._join_axis(steps[0]) if lse is None and len(work) == 1 and work[0][0] is self else None
+        if axis is not None:
+            # The calls' results tile the outputs along one axis: each output
+            # is one concatenation of them (one copy, into `out` if given),
+            # not an allocation, a fill and a copy per call.
+            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)
+            pieces = [[results.as_kind(a) for a in r] for r in res]
+            st_cut = [(st.b1 - st.b0, st.e - st.s) for st in steps[0]]
+            xp = ops_for(pieces[0][0])
+            out = xp.concat([r[0][:nb, :nr] for r, (nb, nr) in zip(pieces, st_cut)], axis, out)
+            if not return_lse:
+                return out, None
+            return out, xp.concat([r[1][:nb, :, :nr] for r, (nb, nr) in zip(pieces, st_cut)], 2 * axis)
         if lse is None:
             out, lse = self._allocate(q, out, results)
         for (pt, variant), st in zip(work, steps):
@@ -531,6 +544,24 @@ class _Plan:
             None,
             (self.call.batch, self.rows),
         )
+
+    def _join_axis(self, steps) -> int | None:
+        """The axis of out (0: batch, 1: rows) along which the steps'
+        results, cut to their rows, tile the outputs exactly and in order;
+        None where they do not (one step, a 2-D grid of tiles, results
+        rearranged after the calls). A given `out` is contiguous
+        (check_out)."""
+        if len(steps) < 2 or self.entries or self.p.tables.group or self.splits > 1 or self.p.layout.static_quant:
+            return None
+        spans = {
+            1: ([(st.b0, st.b1) for st in steps], [(st.s, st.e) for st in steps], (0, self.call.batch), self.rows),
+            0: ([(st.s, st.e) for st in steps], [(st.b0, st.b1) for st in steps], (0, self.rows), self.call.batch),
+        }
+        for axis, (other, along, whole, size) in spans.items():
+            ends = [e for _, e in along]
+            if all(o == whole for o in other) and [s for s, _ in along] == [0] + ends[:-1] and ends[-1] == size:
+                return axis
+        return None
 
     def _call(self, variant, steps, qb, k_cache, v_cache, results, outputs: int) -> list:
         """Each step's first `outputs` results; the steps are queued back

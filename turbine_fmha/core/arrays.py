@@ -269,6 +269,14 @@ class _Results:
             for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs, while_queued=hook)
         ]
 
+    def as_kind(self, a):
+        """A kernel result as this object's kind of array: a numpy result
+        viewed as a CPU torch tensor where results are torch tensors (the
+        CPU driver's results are host memory), else as it is."""
+        if self.torch_device is not None and isinstance(a, np.ndarray):
+            return _numpy_to_torch(a)
+        return a
+
     def upload(self, arrays: list) -> list:
         """Small host arrays as kernel arguments on the session's device: IREE
         buffers, or on a GPU torch path one torch upload of them all (each
@@ -441,6 +449,10 @@ class _NumpyOps:
         return a.any(axis=axis)
 
     @staticmethod
+    def concat(pieces, axis, out=None):
+        return np.concatenate(pieces, axis=axis, out=out)
+
+    @staticmethod
     def sum_f32(a):
         """The float32 sum of all of `a` (bf16 and fp8 ones included)."""
         return np.asarray(a).astype(np.float32, copy=False).sum(dtype=np.float32)
@@ -479,6 +491,9 @@ class _TorchOps:
 
     def sum(self, a, axis):
         return a.sum(dim=axis)
+
+    def concat(self, pieces, axis, out=None):
+        return self.t.cat(pieces, dim=axis) if out is None else self.t.cat(pieces, dim=axis, out=out)
 
     def any(self, a, axis):
         return a.any(dim=axis)
