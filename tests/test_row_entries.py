@@ -164,3 +164,59 @@ def test_entry_tables():
     np.testing.assert_array_equal(e.seqlen_k, [428, 428, 556, 500, 600, 0])
     np.testing.assert_array_equal(e.kv_shift, [0, 7, 0, 7, 0, 7])
     np.testing.assert_array_equal(e.block_table[1], c.block_table[1])
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "torch"])
+@pytest.mark.parametrize("rows", [256, 200], ids=["whole_chunks", "last_chunk_padded"])
+def test_entries_results_are_rearranged_once(entries_session, rng, monkeypatch, arrays, rows):
+    """A call run as row entries gets its outputs by rearranging the
+    entries' results once (into `out` if given): no output or LSE buffer
+    is allocated and placed into first (only the padded q is made). The
+    LSE is contiguous, as every returned array. Against the float64
+    reference, LSE included."""
+    import torch
+
+    from turbine_fmha.core.arrays import _Results
+
+    lens_k = [600, 300, 450]
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=rows, seqlens_k=lens_k, nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    attn = turbine_fmha.PagedAttention(entries_session).plan(
+        bt,
+        sk,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        seqlen_q=rows,
+        **kw,
+    )
+    assert attn._plan.entries
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    if arrays == "torch":
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    made = []
+    empty = _Results.empty
+    monkeypatch.setattr(
+        _Results, "empty", lambda self, shape, dtype, **f: made.append(shape) or empty(self, shape, dtype, **f)
+    )
+    out, lse = attn.run(q, k, v, return_lse=True)
+    assert made == [(3, -(-rows // ENTRY_ROWS) * ENTRY_ROWS, 4, 64)], made  # the padded q alone
+    for a in (out, lse):
+        assert isinstance(a, type(q)) and (a.is_contiguous() if arrays == "torch" else a.flags.c_contiguous)
+
+    def check(o, lse_):
+        o64 = np.asarray(o).astype(np.float64)
+        assert np.abs(o64 - ref).max() <= 5e-3 * np.abs(ref).max()  # conftest.OUT_TOL f16
+        assert np.abs(np.asarray(lse_) - ref_lse).max() <= 5e-3  # conftest.LSE_TOL f16
+
+    check(out, lse)
+    given = np.full(q.shape, np.nan, np.float16)
+    given = torch.from_numpy(given) if arrays == "torch" else given
+    assert attn.run(q, k, v, out=given) is given
+    check(given, lse)
+    assert attn.run(q, k, v)[2, 7, 1, 3] == out[2, 7, 1, 3]  # without the LSE: the same output

@@ -445,15 +445,23 @@ class _Plan:
         if axis is not None:
             # The calls' results tile the outputs along one axis: each output
             # is one concatenation of them (one copy, into `out` if given),
-            # not an allocation, a fill and a copy per call.
+            # not an allocation, a fill and a copy per call. Row entries are
+            # joined first, then rearranged by that one copy.
             res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)
             pieces = [[results.as_kind(a) for a in r] for r in res]
-            st_cut = [(st.b1 - st.b0, st.e - st.s) for st in steps[0]]
+            cut = [(st.b1 - st.b0, st.e - st.s) for st in steps[0]]
             xp = ops_for(pieces[0][0])
-            out = xp.concat([r[0][:nb, :nr] for r, (nb, nr) in zip(pieces, st_cut)], axis, out)
-            if not return_lse:
-                return out, None
-            return out, xp.concat([r[1][:nb, :, :nr] for r, (nb, nr) in zip(pieces, st_cut)], 2 * axis)
+            outs = [r[0][:nb, :nr] for r, (nb, nr) in zip(pieces, cut)]
+            lses = [r[1][:nb, :, :nr] for r, (nb, nr) in zip(pieces, cut)] if return_lse else None
+            if self.entries:
+                o = outs[0] if len(outs) == 1 else xp.concat(outs, 0)
+                lse = (lses[0] if len(lses) == 1 else xp.concat(lses, 0)) if return_lse else None
+                o, lse = _from_entries(o, lse, self.entries, self.rows)
+                if out is None:  # the rearrangement's own copy where it made one
+                    return _dense(o, xp), None if lse is None else _dense(lse, xp)
+                outs, lses = [o], [lse]
+            out = xp.concat(outs, axis, out)
+            return out, xp.concat(lses, 2 * axis) if return_lse else None
         if lse is None:
             out, lse = self._allocate(q, out, results)
         for (pt, variant), st in zip(work, steps):
@@ -547,17 +555,26 @@ class _Plan:
 
     def _join_axis(self, steps) -> int | None:
         """The axis of out (0: batch, 1: rows) along which the steps'
-        results, cut to their rows, tile the outputs exactly and in order;
-        None where they do not (one step, a 2-D grid of tiles, results
-        rearranged after the calls). A given `out` is contiguous
-        (check_out)."""
-        if len(steps) < 2 or self.entries or self.p.tables.group or self.splits > 1 or self.p.layout.static_quant:
+        results, cut to their rows, tile the outputs exactly and in order
+        (for row entries: the entries, whose join is then rearranged);
+        None where they do not (one step that is not entries, a 2-D grid of
+        tiles, split-KV partials, varlen rows). A given `out` is
+        contiguous (check_out)."""
+        if (
+            len(steps) < (1 if self.entries else 2)
+            or self.p.tables.group
+            or self.splits > 1
+            or self.p.layout.static_quant
+        ):
             return None
+        rows, n = self.call.rows, self.call.batch  # row entries: ENTRY_ROWS, entries
         spans = {
-            1: ([(st.b0, st.b1) for st in steps], [(st.s, st.e) for st in steps], (0, self.call.batch), self.rows),
-            0: ([(st.s, st.e) for st in steps], [(st.b0, st.b1) for st in steps], (0, self.rows), self.call.batch),
+            1: ([(st.b0, st.b1) for st in steps], [(st.s, st.e) for st in steps], (0, n), rows),
+            0: ([(st.s, st.e) for st in steps], [(st.b0, st.b1) for st in steps], (0, rows), n),
         }
         for axis, (other, along, whole, size) in spans.items():
+            if self.entries and axis:
+                continue  # entries join along the entries, then are rearranged
             ends = [e for _, e in along]
             if all(o == whole for o in other) and [s for s, _ in along] == [0] + ends[:-1] and ends[-1] == size:
                 return axis
@@ -647,17 +664,25 @@ def _to_entries(qb, chunks: int, dtype, results):
 
 def _from_entries(out_e, lse_e, chunks: int, rows: int):
     """The row entries' out [E, ENTRY_ROWS, heads, dv] and LSE [E, heads,
-    ENTRY_ROWS] back as [batch, rows, heads, dv] and [batch, heads, rows]."""
+    ENTRY_ROWS] back as [batch, rows, heads, dv] and [batch, heads, rows]
+    (the LSE None if given None)."""
     batch = out_e.shape[0] // chunks
     heads, dv = out_e.shape[2:]
     out = _swap01(out_e.reshape((chunks, batch, ENTRY_ROWS, heads, dv))).reshape(
         (batch, chunks * ENTRY_ROWS, heads, dv)
     )
+    if lse_e is None:
+        return out[:, :rows], None
     lse = lse_e.reshape((chunks, batch, heads, ENTRY_ROWS))
     lse = (lse.permute(1, 2, 0, 3) if _is_torch(lse) else lse.transpose(1, 2, 0, 3)).reshape(
         (batch, heads, chunks * ENTRY_ROWS)
     )
     return out[:, :rows], lse[:, :, :rows]
+
+
+def _dense(a, xp):
+    """a if C-contiguous, else a contiguous copy."""
+    return a if (a.is_contiguous() if _is_torch(a) else a.flags.c_contiguous) else xp.concat([a], 0)
 
 
 def _swap01(a):
