@@ -87,6 +87,20 @@ def online_session():
 
 
 @pytest.fixture
+def allocations(monkeypatch):
+    """The shapes of the arrays the runtime allocates for a call's results
+    (arrays._Results.empty), recorded while the test runs."""
+    from turbine_fmha.core.arrays import _Results
+
+    made = []
+    empty = _Results.empty
+    monkeypatch.setattr(
+        _Results, "empty", lambda self, shape, dtype, **kw: made.append(tuple(shape)) or empty(self, shape, dtype, **kw)
+    )
+    return made
+
+
+@pytest.fixture
 def rng(request):
     # Fresh inputs every run; the seed is printed so a failure can be replayed.
     seed = int(os.environ.get("TURBINE_FMHA_SEED", secrets.randbits(32)))

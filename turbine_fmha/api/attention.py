@@ -454,8 +454,7 @@ class _Plan:
             outs = [r[0][:nb, :nr] for r, (nb, nr) in zip(pieces, cut)]
             lses = [r[1][:nb, :, :nr] for r, (nb, nr) in zip(pieces, cut)] if return_lse else None
             if self.entries:
-                o = outs[0] if len(outs) == 1 else xp.concat(outs, 0)
-                lse = (lses[0] if len(lses) == 1 else xp.concat(lses, 0)) if return_lse else None
+                o, lse = (None if xs is None else xs[0] if len(xs) == 1 else xp.concat(xs, 0) for xs in (outs, lses))
                 o, lse = _from_entries(o, lse, self.entries, self.rows)
                 if out is None:  # the rearrangement's own copy where it made one
                     return _dense(o, xp), None if lse is None else _dense(lse, xp)
