@@ -70,10 +70,40 @@ def test_merged_splits_at_large_scores(rng):
     out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, scale=3000.0, num_splits=4, return_lse=True, session=s)
     assert s.last_variant.merge_splits == 4
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, scale=3000.0)
-    assert np.abs(out - ref).max() / np.abs(ref).max() <= 1e-5  # conftest's f32 bound
+    # At these scores the output is as exact as f32 scores let it be, row
+    # by row: a score's f32 error is at most (D + 2) eps scale sum_d |q_d k_d|
+    # (the dot product and the scale folded into q), and the output moves
+    # by at most sum_j p_j |ds_j| |v_j - out|. Where one key dominates that
+    # is ~0 (the output is its V exactly); where the top keys nearly tie, a
+    # score error of ~1e-3 moves it by ~1e-3 (seeds have hit 7.5e-4 of
+    # max |ref|), which conftest's f32 bound of 1e-5 did not allow.
+    err = np.abs(out.astype(np.float64) - ref).max(axis=-1)  # [batch, 1, hq]
+    assert (err <= _score_rounding_bound(q, k, v, bt, sk, 3000.0) + 1e-5 * np.abs(ref).max()).all()
     # An f32 LSE of 1e5 carries ~0.008 per ulp: the score's products (scale,
     # log2 e, then ln 2 back) and the log round a few ulps; 8 are allowed.
     assert (np.abs(lse - ref_lse) <= 8 * np.finfo(np.float32).eps * np.abs(ref_lse)).all()
+
+
+def _score_rounding_bound(q, k, v, bt, sk, scale):
+    """Per (sequence, query head) of a decode: sum_j p_j ds_j max_d |v_jd - out_d|,
+    p and out in float64, ds_j the f32 error bound of key j's score."""
+    eps = np.finfo(np.float32).eps
+    b_n, _, hq, d = q.shape
+    group = hq // k.shape[2]
+    bound = np.zeros((b_n, 1, hq))
+    for b in range(b_n):
+        t = np.arange(int(sk[b]))
+        kb = k[bt[b, t // k.shape[1]], t % k.shape[1]].astype(np.float64)  # [keys, hk, d]
+        vb = v[bt[b, t // v.shape[1]], t % v.shape[1]].astype(np.float64)
+        for h in range(hq):
+            qk = q[b, 0, h].astype(np.float64) * kb[:, h // group]  # [keys, d]
+            s = scale * qk.sum(-1)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out = p @ vb[:, h // group]
+            ds = (d + 2) * eps * scale * np.abs(qk).sum(-1)
+            bound[b, 0, h] = (p * ds * np.abs(vb[:, h // group] - out).max(-1)).sum()
+    return bound
 
 
 def test_merged_split_with_a_nan_key(rng):
