@@ -311,10 +311,12 @@ def _aligned_copy(a):
 JOINED = {
     # (formulation, batch, rows): calls along the rows (the explicit
     # kernels' 64-row chunks of a causal mask; online 128-row tiles, the
-    # last one padded) or along the batch (online tiles of one sequence).
+    # last one padded) or along the batch (online tiles of one sequence);
+    # or one call whose tile pads the batch (a decode), cut to it.
     "explicit_rows": ("explicit", 2, 150),
     "online_rows_padded": ("online", 1, 200),
     "online_batch": ("online", 3, 128),
+    "online_one_padded_tile": ("online", 3, 1),
 }
 
 
@@ -325,7 +327,9 @@ def test_calls_tiling_the_outputs_are_joined(explicit_session, online_session, r
     axis gets each output as one concatenation of their results (cut to
     their rows): nothing is allocated, filled and placed per call (on a
     GPU each was a host launch), and a given `out` is filled in place.
-    Checked against the float64 reference, LSE included."""
+    One call with a padded tile returns its results cut to the batch:
+    contiguous views, no copy. Checked against the float64 reference,
+    LSE included."""
     import torch
 
     formulation, batch, rows = JOINED[case]
@@ -359,8 +363,12 @@ def test_calls_tiling_the_outputs_are_joined(explicit_session, online_session, r
         q, k, v = (torch.from_numpy(x) for x in (q, k, v))
     out, lse = attn.run(q, k, v, return_lse=True)
     steps = next(iter(attn._plan._steps.values()))
-    assert len(steps) > 1 and not allocations, f"{len(steps)} calls, allocated {allocations}"
+    one = case == "online_one_padded_tile"
+    assert (len(steps) == 1 and steps[0].tile[0] > batch) if one else len(steps) > 1, [st.tile for st in steps]
+    assert not allocations, f"{len(steps)} calls, allocated {allocations}"
     assert isinstance(out, type(q)) and isinstance(lse, type(q))
+    if one:
+        assert out.shape == q.shape and (out.is_contiguous() if arrays == "torch" else out.flags.c_contiguous)
     _check(np.asarray(out), np.asarray(lse), ref, ref_lse, "f16")
 
     poison = np.full(q.shape, np.nan, np.float16)

@@ -449,7 +449,7 @@ class _Plan:
             # joined first, then rearranged by that one copy.
             res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)
             pieces = [[results.as_kind(a) for a in r] for r in res]
-            cut = [(st.b1 - st.b0, st.e - st.s) for st in steps[0]]
+            cut = [((st.b1 - st.b0) // st.merge, st.e - st.s) for st in steps[0]]
             xp = ops_for(pieces[0][0])
             outs = [r[0][:nb, :nr] for r, (nb, nr) in zip(pieces, cut)]
             lses = [r[1][:nb, :, :nr] for r, (nb, nr) in zip(pieces, cut)] if return_lse else None
@@ -459,6 +459,10 @@ class _Plan:
                 if out is None:  # the rearrangement's own copy where it made one
                     return _dense(o, xp), None if lse is None else _dense(lse, xp)
                 outs, lses = [o], [lse]
+            if out is None and len(outs) == 1:
+                # One padded tile: its rows, a view where they are
+                # contiguous (a batch cut), no copy.
+                return _dense(outs[0], xp), _dense(lses[0], xp) if return_lse else None
             out = xp.concat(outs, axis, out)
             return out, xp.concat(lses, 2 * axis) if return_lse else None
         if lse is None:
@@ -555,21 +559,19 @@ class _Plan:
     def _join_axis(self, steps) -> int | None:
         """The axis of out (0: batch, 1: rows) along which the steps'
         results, cut to their rows, tile the outputs exactly and in order
-        (for row entries: the entries, whose join is then rearranged);
-        None where they do not (one step that is not entries, a 2-D grid of
-        tiles, split-KV partials, varlen rows). A given `out` is
-        contiguous (check_out)."""
-        if (
-            len(steps) < (1 if self.entries else 2)
-            or self.p.tables.group
-            or self.splits > 1
-            or self.p.layout.static_quant
-        ):
+        (for row entries: the entries, whose join is then rearranged; one
+        step: its padded tile, cut); None where they do not (a 2-D grid of
+        tiles, split-KV partials merged here, varlen rows). A given `out`
+        is contiguous (check_out)."""
+        if self.p.tables.group or self.splits > max(1, self.merge) or self.p.layout.static_quant:
             return None
-        rows, n = self.call.rows, self.call.batch  # row entries: ENTRY_ROWS, entries
+        # Batch spans in sequences: a merging variant's steps count split
+        # entries (Step.merge per sequence). Row entries: ENTRY_ROWS, entries.
+        rows, n = self.call.rows, self.call.batch // max(1, self.merge)
+        batch = [(st.b0 // st.merge, st.b1 // st.merge) for st in steps]
         spans = {
-            1: ([(st.b0, st.b1) for st in steps], [(st.s, st.e) for st in steps], (0, n), rows),
-            0: ([(st.s, st.e) for st in steps], [(st.b0, st.b1) for st in steps], (0, rows), n),
+            1: (batch, [(st.s, st.e) for st in steps], (0, n), rows),
+            0: ([(st.s, st.e) for st in steps], batch, (0, rows), n),
         }
         for axis, (other, along, whole, size) in spans.items():
             if self.entries and axis:
