@@ -412,6 +412,59 @@ def test_pool_of_torch_memory_is_written_by_torch(explicit_session, rng, monkeyp
     assert len(calls) == 1 and cache.values_finite
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_writes_mark_exactly_the_nonfinite_rows(explicit_session, monkeypatch, kv_layout, dtype):
+    """Torch rows written into a pool of torch memory are marked non-finite
+    by one reduction each (their largest magnitude): exactly the rows with a
+    NaN or an infinity, never a finite row of the dtype's largest values
+    (a sum of those would overflow). Two pools written at the same slots,
+    as a model's layers are, share one uploaded index and each holds its
+    own rows."""
+    import torch
+
+    from turbine_fmha.api import cache as cache_mod
+    from turbine_fmha.core.arrays import _np_torch_dtype, _torch_np_dtype
+
+    s = explicit_session
+    monkeypatch.setattr(
+        s,
+        "device_zeros",
+        lambda shape, dt: s.import_torch(torch.zeros(shape, dtype=_np_torch_dtype(dt))),
+        raising=False,
+    )
+    monkeypatch.setattr(cache_mod, "_INDEX_CACHE", cache_mod.collections.OrderedDict())
+    tdt = getattr(torch, dtype)
+    big = torch.finfo(tdt).max
+    pools = [
+        PagedKVCache(6, 4, HK, D, _torch_np_dtype(tdt), session=s, host_mirror=False, kv_layout=kv_layout)
+        for _ in range(2)
+    ]
+    seqs = [[p.allocate() for _ in range(2)] for p in pools]
+    written = []
+    for i, (pool, ss) in enumerate(zip(pools, seqs)):
+        k = torch.full((2, 3, HK, D), float(i + 1), dtype=tdt)
+        v = torch.full((2, 3, HK, D), big, dtype=tdt)
+        v[:, :, 0, 0] = -big
+        pool.append_batch(ss, k, v)
+        written.append((k, v))
+        assert pool.values_finite  # the largest finite values are finite
+    assert len(cache_mod._INDEX_CACHE) == 1  # the second pool reused the first one's index
+    for pool, ss, (k, v) in zip(pools, seqs, written):
+        for j, seq in enumerate(ss):
+            got_k, got_v = pool.gather(seq)
+            np.testing.assert_array_equal(got_k.astype(np.float32), k[j].float().numpy())
+            np.testing.assert_array_equal(got_v.astype(np.float32), v[j].float().numpy())
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        pool = PagedKVCache(6, 4, HK, D, _torch_np_dtype(tdt), session=s, host_mirror=False, kv_layout=kv_layout)
+        a, b = pool.allocate(), pool.allocate()
+        v = torch.ones((2, 3, HK, D), dtype=tdt)
+        v[1, 2, HK - 1, D - 1] = bad  # b's last row
+        pool.append_batch([a, b], torch.ones_like(v), v)
+        assert not pool.values_finite
+        assert pool._n_bad == 1 and pool._v_bad[pool.pages(b)[0], 2]
+
+
 @pytest.mark.parametrize("host_mirror", [True, False])
 def test_device_pools_are_allocated_past_the_call_buffer_pool(explicit_session, rng, host_mirror):
     """A device pool outlives calls, so it must not be counted by the

@@ -28,6 +28,7 @@ it. Without it (host_mirror=False) a device pool takes no host memory, and
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -401,12 +402,17 @@ class PagedKVCache:
         callers, _read_device)."""
         torch = sys.modules["torch"]
         pk, pv = self._torch_pools
-        at = torch.from_numpy(np.stack([pages, rows]).astype(np.int64)).to(pk.device)
+        nhd = self.kv_layout == "NHD"
+        # NHD pools are written as [pages * page, heads, dim] rows.
+        at = np.stack([pages, rows]) if not nhd else pages * self.page_block_size + rows
+        at = _device_index(at.astype(np.int64, copy=False), pk.device)
         for pool, x in ((pk, k_rows), (pv, v_rows)):
             if self._bits:
                 x = x.view(torch.int8)  # the pool holds fp8 as its bytes
-            # HND [pages, heads, page, dim] seen as NHD: the same memory.
-            (pool.transpose(1, 2) if self.kv_layout == "HND" else pool)[at[0], at[1]] = x
+            if nhd:
+                pool.view((-1,) + tuple(pool.shape[2:])).index_copy_(0, at, x)
+            else:  # HND [pages, heads, page, dim] seen as NHD: the same memory
+                pool.transpose(1, 2)[at[0], at[1]] = x
 
     def _read_device(self) -> tuple:
         """The whole device pool, K and V, copied to host memory as arrays
@@ -508,8 +514,8 @@ def _resolve(pools) -> None:
 
 
 def _host_flags(flags: list) -> list:
-    """The bool arrays as numpy, torch ones gathered into one host read per
-    device."""
+    """The marks of _nonfinite_flags as numpy bool arrays, torch ones
+    gathered into one host read per device."""
     out = [f if isinstance(f, np.ndarray) else None for f in flags]
     by_device: dict = {}
     for i, f in enumerate(flags):
@@ -518,20 +524,50 @@ def _host_flags(flags: list) -> list:
     torch = sys.modules.get("torch")
     for idx in by_device.values():
         parts = [flags[i] for i in idx]
-        host = torch.cat(parts).cpu().numpy()
+        host = ~np.isfinite(torch.cat(parts).cpu().numpy())
         for i, chunk in zip(idx, np.split(host, np.cumsum([p.shape[0] for p in parts])[:-1])):
             out[i] = chunk
     return out
 
 
+# The index tensors of recent torch writes, by device and content: every
+# layer of a model's step writes the same slots of its own pool (the pools
+# share their history), so one upload serves the step, not one per layer.
+_INDEX_CACHE: collections.OrderedDict = collections.OrderedDict()
+_INDEX_CACHE_SIZE = 8
+_INDEX_CACHE_LOCK = threading.Lock()
+
+
+def _device_index(a: np.ndarray, device):
+    """The int64 array `a` as a torch tensor on `device`, uploaded once
+    while it is among the recent ones. The tensors are never written."""
+    key = (str(device), a.shape, a.tobytes())
+    with _INDEX_CACHE_LOCK:
+        hit = _INDEX_CACHE.get(key)
+        if hit is not None:
+            _INDEX_CACHE.move_to_end(key)
+            return hit
+    t = sys.modules["torch"].from_numpy(a.copy()).to(device)
+    with _INDEX_CACHE_LOCK:
+        _INDEX_CACHE[key] = t
+        while len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:
+            _INDEX_CACHE.popitem(last=False)
+    return t
+
+
 def _nonfinite_flags(v):
-    """Which rows of v [n, heads, dim] hold a non-finite value: a bool
-    array beside v (numpy, or torch on v's device), not read back."""
+    """Which rows of v [n, heads, dim] hold a non-finite value, not read
+    back: a numpy bool array for host rows; for torch rows each row's
+    largest magnitude as float32 on their device, non-finite exactly where
+    the row is (a max neither overflows nor drops a NaN; _host_flags reads
+    it as such): one reduction kernel where isfinite and two alls were four,
+    once per layer of a model's step."""
     if _is_torch(v):
+        torch = sys.modules["torch"]
         t = v.detach()
-        if t.element_size() == 1:  # fp8: torch's isfinite does not take it
+        if t.element_size() == 1:  # fp8: torch's norms do not take it
             t = t.float()
-        return ~sys.modules["torch"].isfinite(t).all(-1).all(-1)
+        return torch.linalg.vector_norm(t, float("inf"), dim=(-2, -1), dtype=torch.float32)
     return ~np.isfinite(np.asarray(v).astype(np.float32, copy=False)).all(-1).all(-1)
 
 
