@@ -334,11 +334,43 @@ def test_exported_online_decode_with_static_batch(rng, batch):
         _check(ctx.modules.module["main"], prob, "f16", **causal)
 
 
+@pytest.mark.parametrize("rows, seqlens, tile", [(5, [5, 40, 17], 128), (1100, [1100, 1300], 1024)])
+def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
+    """export_options(formulation="online") on a prefill of a static batch
+    and row count (a bucket): per sequence, chunks of the one-sequence
+    prefill tile the cost model picks (5 rows: one padded chunk of 128;
+    1100: a full chunk of 1024 and a padded one, the second starting at
+    row 1024), causal with the bottom-right diagonal, sequences with keys
+    cached before the rows among them. Against the float64 reference,
+    garbage in unused slots, NaN in unused pages (the guarded kernel)."""
+    import iree.compiler as ic
+    import iree.runtime as rt
+
+    from turbine_fmha.api.exported import _prefill_tile
+
+    assert _prefill_tile(len(seqlens), rows) == tile
+    shape = dict(dtype="f16", seqlen_q=rows, nhead_q=4, nhead_k=2, hdim=32, page=16)
+    prob = make_problem(rng, batch=len(seqlens), seqlens_k=seqlens, extra_slots=2, **shape)
+    with turbine_fmha.export_options(formulation="online"):
+        exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob))
+    text = str(exported.mlir_module)
+    assert f"_mbr_lse_online_b1_q{tile}" in text and "_explicit" not in text
+    vmfb = ic.compile_str(
+        text,
+        target_backends=["llvm-cpu"],
+        extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"],
+    )
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    _check(ctx.modules.module["main"], prob, "f16", mask_type="bottom_right", window_size_right=0)
+
+
 def test_online_export_refuses_what_it_does_not_take():
     with turbine_fmha.export_options(formulation="online"):
         b = torch.export.Dim("batch")
         dims = [{0: b}, None, None, {0: b}, {0: b}]
-        with pytest.raises(NotImplementedError, match="decodes \\(seqlen_q 1\\) of a static batch"):
+        with pytest.raises(NotImplementedError, match="a static batch and static query rows"):
             aot.export(Attention(), args=_example(), dynamic_shapes=dims, strict_export=False)
     with pytest.raises(ValueError, match="formulation must be one of"):
         with turbine_fmha.export_options(formulation="fast"):

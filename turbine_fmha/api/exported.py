@@ -29,11 +29,18 @@ import math
 import torch
 
 from ..calls.mask import MaskSpec
+from ..calls.plan import FULL_LAUNCH_ROWS, PREFILL_LAUNCH_ELEMENTS
 from ..core.checks import check_float
 from ..kernels import custom_ops
 from ..kernels.signature import fwd_attrs
 from ..kernels.turbine_compat import ensure_mlir_isinstance
-from ..kernels.variants import Variant, decode_batch_tile, online_unsupported, online_variant
+from ..kernels.variants import (
+    GPU_PREFILL_TILES,
+    Variant,
+    decode_batch_tile,
+    online_unsupported,
+    online_variant,
+)
 from .conventions import conventions
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -169,7 +176,15 @@ def call_paged(
         None if sinks is None else sinks.to(torch.float32),
     )
     if _OPTIONS["formulation"] == "online":
-        out, lse = _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite)
+        batch, rows = q.shape[:2]
+        if not isinstance(batch, int) or not isinstance(rows, int):
+            raise NotImplementedError(
+                "export_options(formulation='online') takes a static batch and static query rows (a decode, "
+                "seqlen_q 1, or a prefill bucket); export this call with the explicit formulation (the "
+                "default), or declare its batch and rows static"
+            )
+        online = _online_decode if rows == 1 else _online_prefill
+        out, lse = online(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite)
     else:
         out, lse, _, _ = _FWD_EXPLICIT(
             q,
@@ -191,11 +206,6 @@ def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, sc
     sequence's pages (finite, as the guard-free kernels require of every
     page they read; docs/abi.md, finite_stale_rows)."""
     batch = q.shape[0]
-    if not isinstance(batch, int) or q.shape[1] != 1:
-        raise NotImplementedError(
-            "export_options(formulation='online') takes decodes (seqlen_q 1) of a static batch; export this "
-            "call with the explicit formulation (the default), or declare its batch static"
-        )
     problem = variant.problem
     if not mask.decode_needs_mask(alibi=False):
         # As the runtime does (attention._Plan._key): the last row sees
@@ -233,6 +243,68 @@ def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, sc
         outs.append(out[:n])
         lses.append(lse[:n])
     return torch.cat(outs) if len(outs) > 1 else outs[0], torch.cat(lses) if len(lses) > 1 else lses[0]
+
+
+def _prefill_tile(batch: int, rows: int) -> int:
+    """The query rows of the one-sequence prefill tile (GPU_PREFILL_TILES)
+    for `rows` rows of `batch` sequences: the least modelled time, as the
+    runtime's plan.modelled_cost counts it (a launch of fewer than
+    FULL_LAUNCH_ROWS rows at a lower rate, a cost per launch). The chunks
+    of a program read the whole table (it is not cut at their diagonal:
+    the keys are not known when exporting), so each tile's launches cost
+    the same keys."""
+
+    best, best_cost = 0, math.inf
+    for b, tile in GPU_PREFILL_TILES:  # a plain loop: dynamo traces this
+        launches = batch * -(-rows // tile)
+        rate = min(1.0, tile / FULL_LAUNCH_ROWS) ** (2 / 3)
+        cost = launches * (tile * rows / rate + PREFILL_LAUNCH_ELEMENTS)
+        if b == 1 and cost < best_cost:
+            best, best_cost = tile, cost
+    return best
+
+
+def _online_prefill(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
+    """A prefill bucket (static batch and rows) on the online kernel: per
+    sequence, its rows in chunks of the tile's rows, each a launch of the
+    one-sequence prefill tile that starts at the chunk's first row (the
+    kernel's iparams[0], as plan.kernel_steps passes it); the last chunk
+    padded with zero rows, whose outputs are dropped."""
+    batch, rows = q.shape[:2]
+    problem = variant.problem
+    why = online_unsupported(problem)
+    if why:
+        raise NotImplementedError(f"export_options(formulation='online'): {why}")
+    tile = _prefill_tile(batch, rows)
+    kernel = online_variant(problem, 1, tile, v_guard=not (kv_rows_finite is True and variant.v_layout == "row"))
+    fparams, iparams, *terms = scalars
+    seqlen_q = torch.full((1,), rows, dtype=torch.int32)
+    outs, lses = [], []
+    for b in range(batch):
+        row_outs, row_lses = [], []
+        for start in range(0, rows, tile):
+            n = min(tile, rows - start)
+            chunk = q[b : b + 1, start : start + n]
+            if n < tile:
+                chunk = torch.cat([chunk, torch.zeros((1, tile - n, *chunk.shape[2:]), dtype=chunk.dtype)], 1)
+            out, lse, _, _ = _FWD_ONLINE(
+                chunk,
+                k_cache,
+                v_cache,
+                block_table[b : b + 1],
+                seqlen_q,
+                seqlen_k[b : b + 1],
+                torch.zeros((1,), dtype=torch.int32),  # kv_shift: no gappy KV
+                fparams,
+                torch.cat([torch.tensor([start], dtype=torch.int32), iparams[1:]]),
+                *terms,
+                *fwd_attrs(kernel).values(),
+            )
+            row_outs.append(out[:, :n])
+            row_lses.append(lse[:, :, :n])
+        outs.append(torch.cat(row_outs, 1) if len(row_outs) > 1 else row_outs[0])
+        lses.append(torch.cat(row_lses, 2) if len(row_lses) > 1 else row_lses[0])
+    return torch.cat(outs) if batch > 1 else outs[0], torch.cat(lses) if batch > 1 else lses[0]
 
 
 def _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layout) -> None:
