@@ -15,21 +15,31 @@ Greedy generation must give HF eager's tokens in float32 (exit status 1
 otherwise).
 
 --formulation online exports two functions of one module instead, for a
-static --batch: `prefill` (the explicit kernel, any row count) and
-`decode`, whose attention is the GPUs' online kernel
-(turbine_fmha.export_options); they share the caches.
+static --batch: `prefill`, a bucket of --prompt-len rows, and `decode`,
+both on the GPUs' online kernel (turbine_fmha.export_options); they
+share the caches. (compile_program without prompt_rows keeps an explicit
+`prefill` of any row count.)
 
---time also times a decode step as called, back to back: the exported
-program, HF with turbine_fmha's per-layer path (PagedCache), and HF's own
-`sdpa` attention, in the same process.
+--model bench --dtype f16 is the Llama shape of benchmarks/as_called.py
+--hf (32/8 heads of 128, hidden 4096); a half-precision run is checked by
+its prompt logits against HF eager in float32, beside HF's own error in
+that precision, rather than by identical tokens.
+
+--time also times a decode step and the prompt's forward as called: the
+exported program, HF with turbine_fmha's per-layer path (PagedCache), and
+HF's own `sdpa` attention, in the same process. Every HF decode step has
+a new key length, as in generation.
 
     .venv/bin/python examples/export_decoder.py
     .venv/bin/python examples/export_decoder.py --batch 4 --new-tokens 16 --time
+    python3 examples/export_decoder.py --device cuda --model bench --dtype f16 --layers 4 --batch 8 \
+        --prompt-len 512 --new-tokens 32 --formulation online --save build/h200-export/b8.vmfb
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -50,22 +60,35 @@ PAGE = 16
 def small_llama(seed: int, layers: int = 2) -> LlamaForCausalLM:
     # initializer_range 0.2 (HF's default is 0.02): a random model with
     # the default repeats one token, and equal streams would say little.
+    return llama(seed, layers, **MODELS["small"])
+
+
+# The model shapes --model picks. "bench" is the model of benchmarks/as_called.py
+# --hf (issue 27's Hugging Face rows): 32/8 heads of 128, hidden 4096.
+MODELS = {
+    "small": dict(vocab=256, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=32, init=0.2),
+    "bench": dict(vocab=1024, hidden=4096, intermediate=1024, heads=32, kv_heads=8, head_dim=128, init=0.02),
+}
+
+
+def llama(seed, layers, *, vocab, hidden, intermediate, heads, kv_heads, head_dim, init, dtype=torch.float32):
+    """A random LlamaForCausalLM (nothing downloaded), eager attention, in `dtype`."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        initializer_range=init,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
     )
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.set_attn_implementation("eager")
     return model
 
@@ -86,9 +109,10 @@ class PagedDecoder(torch.nn.Module):
         self.model = model
         self.hq, self.hk, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         shape = (num_pages, PAGE, self.hk, self.d)
+        dtype = model.lm_head.weight.dtype  # the caches hold K/V in the model's dtype
         for i in range(cfg.num_hidden_layers):
-            self.register_buffer(f"k_cache{i}", torch.zeros(shape))
-            self.register_buffer(f"v_cache{i}", torch.zeros(shape))
+            self.register_buffer(f"k_cache{i}", torch.zeros(shape, dtype=dtype))
+            self.register_buffer(f"v_cache{i}", torch.zeros(shape, dtype=dtype))
 
     def forward(self, tokens, positions, slots, block_table, seqlen_k):
         inner = self.model.model
@@ -140,7 +164,12 @@ def _example(batch: int, rows: int) -> tuple:
 
 
 def compile_program(
-    model: LlamaForCausalLM, num_pages: int, device: str = "cpu", formulation: str = "explicit", batch: int = 0
+    model: LlamaForCausalLM,
+    num_pages: int,
+    device: str = "cpu",
+    formulation: str = "explicit",
+    batch: int = 0,
+    prompt_rows: int = 0,
 ) -> bytes:
     """The decoder step exported with iree-turbine and compiled for
     `device`. With the explicit formulation: a vmfb whose `main(tokens,
@@ -148,7 +177,9 @@ def compile_program(
     batch and row count. With "online": two functions of one module that
     share its caches, `prefill` (any row count, the explicit kernel) and
     `decode` (one row, the GPUs' online kernel), both for `batch`
-    sequences. The weights and caches are the program's parameters (scope
+    sequences; with `prompt_rows`, `prefill` is a bucket of that many rows
+    on the online kernel too (then the only row count it takes). The
+    weights and caches are the program's parameters (scope
     "model"), named as in the module's state_dict: the vmfb holds no
     weights, and whoever loads it supplies them (load_program)."""
     import iree.compiler as ic
@@ -169,9 +200,15 @@ def compile_program(
             def step(m, tokens, positions, slots, block_table, seqlen_k):
                 return m.forward(tokens, positions, slots, block_table, seqlen_k)
 
-            many = dict(zip(names, [{1: rows}, {1: rows}, {1: rows}, {1: width}, None]))
-            fxb.export_program(step, name="prefill", args=_example(batch, 3), dynamic_shapes=many, strict=False)
             one = dict(zip(names, [None, None, None, {1: width}, None]))
+            if prompt_rows:
+                with turbine_fmha.export_options(formulation=formulation):
+                    fxb.export_program(
+                        step, name="prefill", args=_example(batch, prompt_rows), dynamic_shapes=one, strict=False
+                    )
+            else:
+                many = dict(zip(names, [{1: rows}, {1: rows}, {1: rows}, {1: width}, None]))
+                fxb.export_program(step, name="prefill", args=_example(batch, 3), dynamic_shapes=many, strict=False)
             with turbine_fmha.export_options(formulation=formulation):
                 fxb.export_program(step, name="decode", args=_example(batch, 1), dynamic_shapes=one, strict=False)
             exported = aot.export(fxb)
@@ -212,9 +249,11 @@ def load_program(vmfb: bytes, model: LlamaForCausalLM, num_pages: int, device: s
     return program
 
 
-def export_program(model: LlamaForCausalLM, num_pages: int, device: str = "cpu", formulation="explicit", batch=0):
+def export_program(
+    model: LlamaForCausalLM, num_pages: int, device: str = "cpu", formulation="explicit", batch=0, prompt_rows=0
+):
     """compile_program then load_program, in one process."""
-    vmfb = compile_program(model, num_pages, device, formulation, batch)
+    vmfb = compile_program(model, num_pages, device, formulation, batch, prompt_rows)
     return load_program(vmfb, model, num_pages, device)
 
 
@@ -281,6 +320,49 @@ def _hf_step_ms(model, prompts, new_tokens, cache_factory) -> float:
     return statistics.median(times) * 1e3
 
 
+def _hf_prompt_ms(model, prompts, reps: int, cache_factory) -> float:
+    """Median wall time of the prompt's forward (a fresh cache each)."""
+    sync = torch.cuda.synchronize if prompts.is_cuda else lambda: None
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 1):  # the first warms up
+            t0 = time.perf_counter()
+            model(prompts, past_key_values=cache_factory(), use_cache=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _program_prompt_ms(program, prompts: np.ndarray, new_tokens: int, reps: int) -> float:
+    """Median wall time of the program's prompt call (fresh pages each:
+    the same slots written again), its logits back on the host."""
+    times = []
+    for _ in range(reps + 1):
+        pages = Pages(prompts.shape[0], prompts.shape[1] + new_tokens)
+        t0 = time.perf_counter()
+        program(prompts, *pages.step(prompts.shape[1]))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _prompt_logits_errors(program, model, prompts: torch.Tensor, new_tokens: int, where: str) -> tuple:
+    """(program, HF eager in the model's dtype on `where`), each as max
+    |logits - HF eager in float32| / max |HF eager in float32| over the
+    prompt: a half-precision program's accuracy beside HF's own at that
+    precision (their tokens may differ where two logits nearly tie)."""
+    pages = Pages(prompts.shape[0], prompts.shape[1] + new_tokens)
+    ours = program(prompts.numpy(), *pages.step(prompts.shape[1])).astype(np.float64)
+    ref_model = LlamaForCausalLM(model.config).eval()
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    ref_model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = ref_model(prompts.cpu()).logits.double().numpy()
+        half = model.to(where)(prompts.to(where)).logits.double().cpu().numpy()
+    model.to("cpu")
+    scale = np.abs(ref).max()
+    return float(np.abs(ours - ref).max() / scale), float(np.abs(half - ref).max() / scale)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=2)
@@ -288,19 +370,38 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="small",
+        help="bench: the Llama shape of benchmarks/as_called.py --hf (32/8 heads of 128, hidden 4096)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["f32", "f16"],
+        default="f32",
+        help="the model's dtype; f16 is checked by its prompt logits against float32 HF, not by identical tokens",
+    )
     ap.add_argument("--device", choices=sorted(TARGETS), default="cpu", help="where the program runs")
     ap.add_argument(
         "--formulation",
         choices=["explicit", "online"],
         default="explicit",
-        help="online: a prefill and a decode function for --batch, the decode on the GPUs' online kernel",
+        help="online: a prefill (of --prompt-len rows) and a decode function for --batch, both on the GPUs' "
+        "online kernel",
     )
     ap.add_argument("--save", metavar="VMFB", help="compile for --device, write the program here and stop")
     ap.add_argument("--vmfb", help="run this program (from --save with the same model flags) instead of exporting")
     ap.add_argument("--artifacts", help="--time on cuda: the per-layer path's kernels (turbine-fmha build)")
     ap.add_argument("--time", action="store_true", help="time a decode step against HF's paths, as called")
+    ap.add_argument("--json", help="--time: also write the figures here")
     args = ap.parse_args()
-    model = small_llama(args.seed, args.layers)
+    dtype = {"f32": torch.float32, "f16": torch.float16}[args.dtype]
+
+    def make_model():
+        return llama(args.seed, args.layers, **MODELS[args.model], dtype=dtype)
+
+    model = make_model()
     torch.manual_seed(args.seed + 1)
     prompts = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len))
     num_pages = args.batch * -(-(args.prompt_len + args.new_tokens) // PAGE)
@@ -308,7 +409,8 @@ def main() -> int:
     if args.vmfb:
         vmfb = Path(args.vmfb).read_bytes()
     else:
-        vmfb = compile_program(model, num_pages, args.device, args.formulation, args.batch)
+        bucket = args.prompt_len if args.formulation == "online" else 0
+        vmfb = compile_program(model, num_pages, args.device, args.formulation, args.batch, bucket)
         print(f"exported and compiled for {args.device} in {time.perf_counter() - t0:.1f} s")
     if args.save:
         Path(args.save).write_bytes(vmfb)
@@ -317,11 +419,24 @@ def main() -> int:
     program = load_program(vmfb, model, num_pages, args.device)
     times: list = []
     ours = generate_exported(program, prompts.numpy(), args.new_tokens, times)
-    hf = generate_hf(model, prompts, args.new_tokens).numpy()
-    print("HF eager :", hf[:, args.prompt_len :].tolist())
-    print("exported :", ours[:, args.prompt_len :].tolist())
-    same = np.array_equal(hf, ours)
-    print("tokens identical" if same else "TOKENS DIFFER")
+    if dtype == torch.float32:
+        hf = generate_hf(model, prompts, args.new_tokens).numpy()
+        print("HF eager :", hf[:, args.prompt_len :].tolist())
+        print("exported :", ours[:, args.prompt_len :].tolist())
+        same = np.array_equal(hf, ours)
+        print("tokens identical" if same else "TOKENS DIFFER")
+    else:
+        # Both round their activations to f16 at every op; the program's
+        # ops are fused differently, so its error is not HF's, but a
+        # wrong attention (a missed key, a wrong page) would be of the
+        # logits' own size, far past twice HF's rounding.
+        where = "cuda" if args.device == "cuda" else "cpu"
+        err, err_hf = _prompt_logits_errors(program, model, prompts, args.new_tokens, where)
+        same = err <= 2 * err_hf
+        print(
+            f"prompt logits against HF eager in float32 (max error over the largest logit): "
+            f"exported {err:.2e}, HF eager in {args.dtype} {err_hf:.2e}"
+        )
     print(f"exported program ({args.formulation}): decode step median {statistics.median(times) * 1e3:.2f} ms")
     if args.time:
         from transformers import DynamicCache
@@ -330,19 +445,57 @@ def main() -> int:
 
         where = "cuda" if args.device == "cuda" else "cpu"
         on = prompts.to(where)
-        sdpa = small_llama(args.seed, args.layers).to(where)
+        reps = 5
+        sdpa = make_model().to(where)
         sdpa.set_attn_implementation("sdpa")
-        ms_sdpa = _hf_step_ms(sdpa, on, args.new_tokens, DynamicCache)
-        paged = small_llama(args.seed, args.layers).to(where)
-        fmha_hf.enable(paged)
-        session = turbine_fmha.Session(where, artifact_dir=args.artifacts, compile_missing=where == "cpu")
-        ms_paged = _hf_step_ms(paged, on, args.new_tokens, lambda: fmha_hf.PagedCache(session=session))
-        ms_ours = statistics.median(times) * 1e3
-        print(
-            f"decode step on {args.device}, batch {args.batch}, median of {len(times)}: exported program "
-            f"({args.formulation}) "
-            f"{ms_ours:.2f} ms, HF + turbine_fmha per layer {ms_paged:.2f} ms, HF sdpa {ms_sdpa:.2f} ms"
+        fig = dict(
+            batch=args.batch,
+            prompt=args.prompt_len,
+            new_tokens=args.new_tokens,
+            model=args.model,
+            layers=args.layers,
+            dtype=args.dtype,
+            formulation=args.formulation,
+            device=args.device,
+            decode_exported_ms=statistics.median(times) * 1e3,
+            decode_hf_sdpa_ms=_hf_step_ms(sdpa, on, args.new_tokens, DynamicCache),
+            prompt_exported_ms=_program_prompt_ms(program, prompts.numpy(), args.new_tokens, reps),
+            prompt_hf_sdpa_ms=_hf_prompt_ms(sdpa, on, reps, DynamicCache),
         )
+        if where == "cuda":
+            # torch's cuDNN attention builds a plan per new key length
+            # (benchmarks/probes/h200_sdpa_lengths.py): HF sdpa without it
+            # is HF at its best in generation.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            fig["decode_hf_sdpa_no_cudnn_ms"] = _hf_step_ms(sdpa, on, args.new_tokens, DynamicCache)
+            fig["prompt_hf_sdpa_no_cudnn_ms"] = _hf_prompt_ms(sdpa, on, reps, DynamicCache)
+            torch.backends.cuda.enable_cudnn_sdp(True)
+        del sdpa
+        if args.artifacts or where == "cpu":
+            paged = make_model().to(where)
+            fmha_hf.enable(paged)
+            session = turbine_fmha.Session(where, artifact_dir=args.artifacts, compile_missing=where == "cpu")
+            fig["decode_per_layer_ms"] = _hf_step_ms(
+                paged, on, args.new_tokens, lambda: fmha_hf.PagedCache(session=session)
+            )
+            fig["prompt_per_layer_ms"] = _hf_prompt_ms(paged, on, reps, lambda: fmha_hf.PagedCache(session=session))
+        print(
+            f"on {args.device}, batch {args.batch}, prompt {args.prompt_len}, {args.model} model "
+            f"({args.layers} layers, {args.dtype}); medians, as called:"
+        )
+        for what in ("decode", "prompt"):
+            line = (
+                f"  {what:<6}: exported program ({args.formulation}) {fig[f'{what}_exported_ms']:.2f} ms, "
+                f"HF sdpa {fig[f'{what}_hf_sdpa_ms']:.2f} ms ({fig[f'{what}_hf_sdpa_ms'] / fig[f'{what}_exported_ms']:.2f}x)"
+            )
+            if f"{what}_hf_sdpa_no_cudnn_ms" in fig:
+                best = fig[f"{what}_hf_sdpa_no_cudnn_ms"]
+                line += f", HF sdpa without cuDNN {best:.2f} ms ({best / fig[f'{what}_exported_ms']:.2f}x)"
+            if f"{what}_per_layer_ms" in fig:
+                line += f", HF + turbine_fmha per layer {fig[f'{what}_per_layer_ms']:.2f} ms"
+            print(line)
+        if args.json:
+            Path(args.json).write_text(json.dumps(fig, indent=1))
     return 0 if same else 1
 
 

@@ -38,11 +38,12 @@ def test_exported_decoder_generates_hf_eager_tokens(batch, prompt_len):
 def test_prefill_and_online_decode_functions_share_the_caches():
     """--formulation online: prefill and decode are two functions of one
     program over the same cache globals (iree-turbine's FxProgramsBuilder),
-    the decode's attention the online kernel: HF eager's tokens."""
+    the decode's attention the online kernel, and the prefill's too as a
+    bucket of the prompt's rows: HF eager's tokens."""
     batch, prompt_len, new = 3, 10, 8
     model = export_decoder.small_llama(seed=5)
     pages = batch * -(-(prompt_len + new) // export_decoder.PAGE)
-    program = export_decoder.export_program(model, pages, formulation="online", batch=batch)
+    program = export_decoder.export_program(model, pages, formulation="online", batch=batch, prompt_rows=prompt_len)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(3))
     ours = export_decoder.generate_exported(program, prompts.numpy(), new)
     np.testing.assert_array_equal(ours, export_decoder.generate_hf(model, prompts, new).numpy())
