@@ -101,7 +101,15 @@ def main() -> int:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument(
-        "--cprofile", type=int, default=0, help="also cProfile ours' steps: the top N functions of turbine_fmha"
+        "--cprofile",
+        type=int,
+        default=0,
+        help="also cProfile each run's steps: the top N functions (all modules, by cumulative and own time)",
+    )
+    ap.add_argument(
+        "--order",
+        default="hf,ours",
+        help="the runs per shape, in order; a name again (hf,ours,hf) shows whether our run slows HF's after it",
     )
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the probe itself (float32, hidden 256)")
     args = ap.parse_args()
@@ -130,7 +138,10 @@ def main() -> int:
         prompt = torch.randint(0, 1024, (b, n), device=dev)
         row = report[spec] = {}
         with torch.no_grad():
-            for name in ("hf", "ours"):
+            seen = collections.Counter()
+            for name in args.order.split(","):
+                seen[name] += 1
+                label = name if seen[name] == 1 else f"{name}_{seen[name]}"
                 if name == "hf":
                     model.set_attn_implementation("sdpa")
                     cache = DynamicCache(config=model.config)
@@ -161,28 +172,29 @@ def main() -> int:
                 walls = []
                 for _ in range(3):
                     walls.append(steps(cache, args.steps))
-                row[f"{name}_step_ms"] = sorted(walls)[1]
+                row[f"{label}_step_ms"] = sorted(walls)[1]
                 print(
-                    f"\n== b{b} x {n} {name}: decode step {row[f'{name}_step_ms']:.3f} ms (rounds {walls})", flush=True
+                    f"\n== b{b} x {n} {label}: decode step {row[f'{label}_step_ms']:.3f} ms (rounds {walls})",
+                    flush=True,
                 )
-                if name == "ours":
+                if label == "ours":
                     timers = Timers()
                     wall = steps(cache, args.steps, timers)
                     print(f"  timed step (timers on): {wall:.3f} ms; per step:")
                     phases = {}
-                    for _, _, label in PHASES:
-                        ms = timers.total[label] * 1e3 / args.steps
-                        phases[label.strip()] = round(ms, 4)
-                        print(f"  {label:<34} {ms:8.3f} ms  ({timers.count[label] / args.steps:.0f} calls)")
+                    for _, _, phase in PHASES:
+                        ms = timers.total[phase] * 1e3 / args.steps
+                        phases[phase.strip()] = round(ms, 4)
+                        print(f"  {phase:<34} {ms:8.3f} ms  ({timers.count[phase] / args.steps:.0f} calls)")
                     row["ours_phases_ms"] = phases
-                    if args.cprofile:
-                        import cProfile
-                        import pstats
+                if args.cprofile:
+                    import cProfile
+                    import pstats
 
-                        pr = cProfile.Profile()
-                        steps(cache, args.steps, types.SimpleNamespace(install=pr.enable, uninstall=pr.disable))
-                        for key in ("cumulative", "tottime"):
-                            pstats.Stats(pr).sort_stats(key).print_stats("turbine_fmha", args.cprofile)
+                    pr = cProfile.Profile()
+                    steps(cache, args.steps, types.SimpleNamespace(install=pr.enable, uninstall=pr.disable))
+                    for key in ("cumulative", "tottime"):
+                        pstats.Stats(pr).sort_stats(key).print_stats(args.cprofile)
                 from torch.profiler import ProfilerActivity, profile
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev != "cpu" else [])
@@ -216,14 +228,14 @@ def main() -> int:
                         f"    gpu {e.key[:60]:<60} {e.count / args.profile_steps:6.1f}/step "
                         f"{e.self_device_time_total / args.profile_steps / 1e3:8.3f} ms/step"
                     )
-                row[f"{name}_profiled"] = dict(
+                row[f"{label}_profiled"] = dict(
                     window_ms=round(window / args.profile_steps / 1e3, 3),
                     gpu_ms=round(gpu / args.profile_steps / 1e3, 3),
                     host_calls={e.key: round(e.self_cpu_time_total / args.profile_steps / 1e3, 4) for e in host},
                 )
                 if args.trace_dir:
                     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-                    prof.export_chrome_trace(str(Path(args.trace_dir) / f"{name}_b{b}x{n}.json"))
+                    prof.export_chrome_trace(str(Path(args.trace_dir) / f"{label}_b{b}x{n}.json"))
                 del cache
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
