@@ -845,7 +845,19 @@ def hf_bench(session, args) -> dict:
                 model, prompt, session=session, num_pages=b * (-(-(n + new) // PAGE) + 1), device_pool=pool, **gen_kw
             )
 
+        def gen_hf_no_cudnn():
+            # torch's cuDNN attention builds a plan for every new key length,
+            # ~40 ms a token on the H200 (h200_sdpa_lengths.py): without it,
+            # HF's dynamic cache at its best.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            try:
+                return gen_hf()
+            finally:
+                torch.backends.cuda.enable_cudnn_sdp(True)
+
         gens = {"hf_dynamic": gen_hf, "hf_static": gen_static, "ours": gen_ours}
+        if dev != "cpu":
+            gens["hf_dynamic_no_cudnn"] = gen_hf_no_cudnn
         seqs, t_first, gen_errors = {}, {}, {}
         for name, fn in list(gens.items()):  # warm-up (transformers may compile the static one on a GPU)
             t0 = time.perf_counter()
@@ -861,7 +873,7 @@ def hf_bench(session, args) -> dict:
         gen_ms = {name: [] for name in gens}
         names = list(gens)
         for r in range(rounds):
-            for name in names[r % 3 :] + names[: r % 3]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 t0 = time.perf_counter()
                 gens[name]()
                 sync()
@@ -877,10 +889,10 @@ def hf_bench(session, args) -> dict:
             rounds_ms=gen_ms,
             **{
                 f"{k}_ms": round(statistics.median(gen_ms[k]), 2) if gen_ms.get(k) else None
-                for k in ("hf_dynamic", "hf_static", "ours")
+                for k in ("hf_dynamic", "hf_dynamic_no_cudnn", "hf_static", "ours")
             },
         )
-        for key in ("hf_dynamic", "hf_static"):
+        for key in ("hf_dynamic", "hf_dynamic_no_cudnn", "hf_static"):
             a, o = gen[f"{key}_ms"], gen["ours_ms"]
             gen[f"ours_x_{key}"] = round(a / o, 3) if a and o else None
         for key, name in (("tokens_equal_hf_sdpa_dynamic", "hf_dynamic"), ("tokens_equal_hf_static", "hf_static")):
@@ -926,6 +938,11 @@ def hf_bench(session, args) -> dict:
         f"{cell(gen['ours_x_hf_static'], '.2f')} | "
         f"{gen['tokens_equal_hf_sdpa_dynamic']} / {gen['tokens_equal_hf_static']} |"
     )
+    if gen.get("hf_dynamic_no_cudnn_ms") is not None:
+        print(
+            f"HF sdpa dynamic with torch's cuDNN attention off: {gen['hf_dynamic_no_cudnn_ms']:.1f} ms "
+            f"(turbine-fmha x it: {cell(gen['ours_x_hf_dynamic_no_cudnn'], '.2f')})"
+        )
     if check:
         print(
             f"\ntokens, HF eager fp32 vs turbine-fmha fp32 ({new} new tokens x {b} sequences): "
