@@ -170,6 +170,7 @@ def compile_program(
     formulation: str = "explicit",
     batch: int = 0,
     prompt_rows: int = 0,
+    num_splits: int | None = None,
 ) -> bytes:
     """The decoder step exported with iree-turbine and compiled for
     `device`. With the explicit formulation: a vmfb whose `main(tokens,
@@ -178,7 +179,8 @@ def compile_program(
     share its caches, `prefill` (any row count, the explicit kernel) and
     `decode` (one row, the GPUs' online kernel), both for `batch`
     sequences; with `prompt_rows`, `prefill` is a bucket of that many rows
-    on the online kernel too (then the only row count it takes). The
+    on the online kernel too (then the only row count it takes), and with
+    `num_splits` the decode's keys in that many merged splits. The
     weights and caches are the program's parameters (scope
     "model"), named as in the module's state_dict: the vmfb holds no
     weights, and whoever loads it supplies them (load_program)."""
@@ -209,7 +211,7 @@ def compile_program(
             else:
                 many = dict(zip(names, [{1: rows}, {1: rows}, {1: rows}, {1: width}, None]))
                 fxb.export_program(step, name="prefill", args=_example(batch, 3), dynamic_shapes=many, strict=False)
-            with turbine_fmha.export_options(formulation=formulation):
+            with turbine_fmha.export_options(formulation=formulation, num_splits=num_splits):
                 fxb.export_program(step, name="decode", args=_example(batch, 1), dynamic_shapes=one, strict=False)
             exported = aot.export(fxb)
     return ic.compile_str(str(exported.mlir_module), extra_args=TARGETS[device][1])
@@ -390,6 +392,12 @@ def main() -> int:
         help="online: a prefill (of --prompt-len rows) and a decode function for --batch, both on the GPUs' "
         "online kernel",
     )
+    ap.add_argument(
+        "--num-splits",
+        type=int,
+        default=0,
+        help="--formulation online: the decode's keys in this many splits, merged in the kernel",
+    )
     ap.add_argument("--save", metavar="VMFB", help="compile for --device, write the program here and stop")
     ap.add_argument("--vmfb", help="run this program (from --save with the same model flags) instead of exporting")
     ap.add_argument("--artifacts", help="--time on cuda: the per-layer path's kernels (turbine-fmha build)")
@@ -410,7 +418,9 @@ def main() -> int:
         vmfb = Path(args.vmfb).read_bytes()
     else:
         bucket = args.prompt_len if args.formulation == "online" else 0
-        vmfb = compile_program(model, num_pages, args.device, args.formulation, args.batch, bucket)
+        vmfb = compile_program(
+            model, num_pages, args.device, args.formulation, args.batch, bucket, args.num_splits or None
+        )
         print(f"exported and compiled for {args.device} in {time.perf_counter() - t0:.1f} s")
     if args.save:
         Path(args.save).write_bytes(vmfb)
@@ -456,6 +466,7 @@ def main() -> int:
             layers=args.layers,
             dtype=args.dtype,
             formulation=args.formulation,
+            num_splits=args.num_splits,
             device=args.device,
             decode_exported_ms=statistics.median(times) * 1e3,
             decode_hf_sdpa_ms=_hf_step_ms(sdpa, on, args.new_tokens, DynamicCache),

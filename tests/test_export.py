@@ -334,6 +334,42 @@ def test_exported_online_decode_with_static_batch(rng, batch):
         _check(ctx.modules.module["main"], prob, "f16", **causal)
 
 
+@pytest.mark.parametrize("batch, splits, tile", [(3, 4, 32), (9, 4, 128), (2, 2, 128)])
+def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
+    """export_options(formulation="online", num_splits=n): each sequence's
+    keys as n entries over runs of its table's columns (absolute key
+    positions through kv_shift, the table padded with its first page),
+    merged inside the kernel: the merged variant of the runtime's tile for
+    batch x n entries (3 x 4 -> tile 32, 9 x 4 -> 128, 2 x 2 -> 128), the
+    table width and page count dynamic (widths that n divides and that it
+    does not; sequences shorter than a split). Against the float64
+    reference, garbage in unused slots, NaN in unused pages."""
+    import iree.compiler as ic
+    import iree.runtime as rt
+
+    shape = dict(dtype="f16", seqlen_q=1, nhead_q=4, nhead_k=2, hdim=32, page=16)
+    seqlens = rng.integers(1, 200, batch).tolist()
+    prob = make_problem(rng, batch=batch, seqlens_k=seqlens, extra_slots=2, **shape)
+    pages, width = torch.export.Dim("pages"), torch.export.Dim("width")
+    dims = [None, {0: pages}, {0: pages}, {1: width}, None]
+    with turbine_fmha.export_options(formulation="online", num_splits=splits):
+        exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob), dynamic_shapes=dims)
+    text = str(exported.mlir_module)
+    assert f"_nmask_lse_online_b{tile}_q1_m16_x{splits}" in text and "_explicit" not in text
+    vmfb = ic.compile_str(
+        text,
+        target_backends=["llvm-cpu"],
+        extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"],
+    )
+    config = rt.Config("local-task")
+    ctx = rt.SystemContext(config=config)
+    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    main = ctx.modules.module["main"]
+    for lens in (seqlens, [int(x) for x in rng.integers(1, 300, batch)], [1] * batch):
+        prob = make_problem(rng, batch=batch, seqlens_k=lens, extra_slots=int(rng.integers(0, 4)), **shape)
+        _check(main, prob, "f16", mask_type="bottom_right", window_size_right=0)
+
+
 @pytest.mark.parametrize("rows, seqlens, tile", [(5, [5, 40, 17], 128), (1100, [1100, 1300], 1024)])
 def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
     """export_options(formulation="online") on a prefill of a static batch
@@ -375,4 +411,16 @@ def test_online_export_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="formulation must be one of"):
         with turbine_fmha.export_options(formulation="fast"):
             pass
+    with pytest.raises(ValueError, match="num_splits needs formulation='online'"):
+        with turbine_fmha.export_options(num_splits=4):
+            pass
+    for bad in (3, 0, True, 256):
+        with pytest.raises(ValueError, match="num_splits must be one of"):
+            with turbine_fmha.export_options(formulation="online", num_splits=bad):
+                pass
+    shape = dict(dtype="f16", seqlen_q=8, nhead_q=4, nhead_k=2, hdim=32, page=16)
+    prob = make_problem(np.random.default_rng(0), batch=2, seqlens_k=[8, 20], **shape)
+    with turbine_fmha.export_options(formulation="online", num_splits=4):
+        with pytest.raises(NotImplementedError, match="splits decodes"):
+            aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob), strict_export=False)
     assert "_explicit" in str(aot.export(Attention(), args=_example()).mlir_module)  # the block ended

@@ -36,6 +36,7 @@ from ..kernels.signature import fwd_attrs
 from ..kernels.turbine_compat import ensure_mlir_isinstance
 from ..kernels.variants import (
     GPU_PREFILL_TILES,
+    MERGE_SPLITS,
     Variant,
     decode_batch_tile,
     online_unsupported,
@@ -55,11 +56,11 @@ _FWD_ONLINE = custom_ops.torch_op(custom_ops.PagedKVFwdOnline)
 FORMULATIONS = ("explicit", "online")
 # A plain dict, not a ContextVar: dynamo, which traces the calls while
 # exporting, reads a module's dict but cannot call ContextVar.get.
-_OPTIONS = {"formulation": "explicit"}
+_OPTIONS = {"formulation": "explicit", "num_splits": None}
 
 
 @contextlib.contextmanager
-def export_options(*, formulation: str = "explicit"):
+def export_options(*, formulation: str = "explicit", num_splits: int | None = None):
     """The kernels that attention calls put into programs exported inside
     this block. "explicit" (the default) compiles for every target and
     takes dynamic shapes. "online" is the GPUs' faster formulation with
@@ -68,11 +69,21 @@ def export_options(*, formulation: str = "explicit"):
     the batch, in launches of 128 beyond), the batch padded to it in the
     program; the stale-row guard unless the call says kv_rows_finite=True.
     Other calls under "online" raise NotImplementedError naming what
-    needs the explicit one."""
+    needs the explicit one. `num_splits` (online decodes only): the keys
+    of each sequence in that many splits over its table's columns, merged
+    inside the kernel (the runtime's merged split-KV decode variants; one
+    of MERGE_SPLITS), for long keys over few sequences: the keys are not
+    known when exporting, so the caller picks it for the lengths it
+    serves."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if num_splits is not None:
+        if formulation != "online":
+            raise ValueError("num_splits needs formulation='online' (the explicit kernel does not split)")
+        if isinstance(num_splits, bool) or num_splits not in MERGE_SPLITS:
+            raise ValueError(f"num_splits must be one of {MERGE_SPLITS} or None, got {num_splits!r}")
     before = dict(_OPTIONS)
-    _OPTIONS["formulation"] = formulation
+    _OPTIONS.update(formulation=formulation, num_splits=num_splits)
     try:
         yield
     finally:
@@ -204,7 +215,12 @@ def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, sc
     """The online decode of a static batch: launches of the runtime's batch
     tile, each padded to it with sequences of no keys that read the first
     sequence's pages (finite, as the guard-free kernels require of every
-    page they read; docs/abi.md, finite_stale_rows)."""
+    page they read; docs/abi.md, finite_stale_rows). With num_splits n
+    (export_options), each sequence is n entries over runs of its table's
+    columns, as plan.split_kv makes them: entry b * n + j keeps absolute
+    key positions (kv_shift -j * columns * page), the table padded with
+    each row's first page (plan.split_kv's runs, one column longer); the
+    merged variant folds a sequence's n entries into its one result."""
     batch = q.shape[0]
     problem = variant.problem
     if not mask.decode_needs_mask(alibi=False):
@@ -214,29 +230,52 @@ def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, sc
     why = online_unsupported(problem, decode=True)
     if why:
         raise NotImplementedError(f"export_options(formulation='online'): {why}")
-    tile = decode_batch_tile(batch)
-    kernel = online_variant(problem, tile, 1, v_guard=not (kv_rows_finite is True and variant.v_layout == "row"))
+    splits = _OPTIONS["num_splits"] or 1
+    merged = {"merge_splits": splits} if splits > 1 else {}
+    tile = decode_batch_tile(batch * splits, splits if splits > 1 else 0)  # in entries
+    kernel = online_variant(
+        problem, tile, 1, v_guard=not (kv_rows_finite is True and variant.v_layout == "row"), **merged
+    )
+    table, shift = block_table, torch.zeros_like(seqlen_k)
+    if splits > 1:
+        width = block_table.shape[1]
+        # One column more than the width needs: a run of one column is a
+        # size torch.export specializes (it guards per != 1 and refuses a
+        # width Dim that allows it). The extra column holds no keys.
+        per = (width + splits - 1) // splits + 1
+        # Columns past the width read column 0 (an index, not a cat of an
+        # expand, whose symbolic size torch.export would guard too).
+        cols = torch.arange(per * splits)
+        table = block_table[:, torch.where(cols < width, cols, 0)].reshape(batch * splits, per)
+        shift = (torch.arange(splits, dtype=torch.int32) * (-per * k_cache.shape[1])).repeat(batch)
+    entries = dict(
+        table=table,
+        seqlen_q=torch.ones(batch * splits, dtype=torch.int32),
+        seqlen_k=seqlen_k.repeat_interleave(splits) if splits > 1 else seqlen_k,
+        kv_shift=shift,
+    )
+    seqs = tile // splits  # sequences a launch holds
+    zeros = lambda k, part: torch.zeros((k, *part.shape[1:]), dtype=part.dtype)
+    first_row = lambda k, part: part[:1].expand(k, *part.shape[1:])
+
+    def padded(t, start, n, size, fill):
+        part = t[start : start + n]
+        return part if n == size else torch.cat([part, fill(size - n, part)])
+
     outs, lses = [], []
-    for start in range(0, batch, tile):
-        n = min(tile, batch - start)
-
-        def padded(t, fill):
-            part = t[start : start + n]
-            if n == tile:
-                return part
-            return torch.cat([part, fill(tile - n, part)])
-
-        zeros = lambda k, part: torch.zeros((k, *part.shape[1:]), dtype=part.dtype)
-        first_row = lambda k, part: part[:1].expand(k, *part.shape[1:])
-        sk = padded(seqlen_k, zeros)
+    for start in range(0, batch, seqs):
+        n = min(seqs, batch - start)
+        e0, ne = start * splits, n * splits
+        # Padding entries: no rows and no keys (seqlen 0), over the first
+        # sequence's first page.
         out, lse, _, _ = _FWD_ONLINE(
-            padded(q, zeros),
+            padded(q, start, n, seqs, zeros),
             k_cache,
             v_cache,
-            padded(block_table, first_row),
-            padded(torch.ones_like(seqlen_k), zeros),  # seqlen_q: 1, 0 for the padding
-            sk,
-            torch.zeros_like(sk),  # kv_shift: no gappy KV
+            padded(entries["table"], e0, ne, tile, first_row),
+            padded(entries["seqlen_q"], e0, ne, tile, zeros),
+            padded(entries["seqlen_k"], e0, ne, tile, zeros),
+            padded(entries["kv_shift"], e0, ne, tile, zeros),
             *scalars,
             *fwd_attrs(kernel).values(),
         )
@@ -271,6 +310,10 @@ def _online_prefill(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, s
     kernel's iparams[0], as plan.kernel_steps passes it); the last chunk
     padded with zero rows, whose outputs are dropped."""
     batch, rows = q.shape[:2]
+    if _OPTIONS["num_splits"]:
+        raise NotImplementedError(
+            "export_options(num_splits=...) splits decodes (seqlen_q 1); export this prefill without it"
+        )
     problem = variant.problem
     why = online_unsupported(problem)
     if why:

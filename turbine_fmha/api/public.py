@@ -51,11 +51,12 @@ reshape_and_cache = _routed(kv_write.reshape_and_cache, "call_reshape_and_cache"
 flash_attn_with_kvcache = _routed(flash_attn.flash_attn_with_kvcache, "call_flash_attn")
 
 
-def export_options(*, formulation: str = "explicit"):
+def export_options(*, formulation: str = "explicit", num_splits: int | None = None):
     """A context manager: the kernels that attention calls put into the
     programs exported inside it ("explicit", the default, or "online" for
-    static-batch decodes on GPUs); docs/user-guide.md, "Inside exported
-    programs". Imports torch and iree-turbine when entered."""
+    static-batch decodes and prefill buckets on GPUs, the decodes in
+    `num_splits` merged key splits if given); docs/user-guide.md, "Inside
+    exported programs". Imports torch and iree-turbine when entered."""
     from . import exported  # imports torch and iree-turbine
 
-    return exported.export_options(formulation=formulation)
+    return exported.export_options(formulation=formulation, num_splits=num_splits)
