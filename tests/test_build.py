@@ -3,6 +3,7 @@ compile-only checks of every ROCm and CUDA variant in the default set."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -25,7 +26,7 @@ from turbine_fmha.build.default_sets import (
 )
 from turbine_fmha.build.isa import isa_problems
 from turbine_fmha.kernels.append_kernel import AppendKernel
-from turbine_fmha.kernels.variants import GPU_ENTRY_TILES, GPU_PREFILL_TILES, Variant
+from turbine_fmha.kernels.variants import GPU_ENTRY_TILES, GPU_PREFILL_TILES, MERGED_DECODE_TILES, Variant
 
 SMALL = [
     Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
@@ -52,8 +53,19 @@ def test_default_names_unchanged():
     host set's pages other than 16 and the GPU sets' explicit page 64 went
     to kernels of any page size (_pg0): the names are checked with those
     pages put back, and each _pg0 name is a page-16 name of the sets with
-    _pg0."""
+    _pg0. Then each tile's merged decodes of one split count each (_x<n>,
+    MERGED_DECODE_TILES) went to one kernel of any count (_xn), beside
+    MERGED_STATIC_TILES: the names are checked with those put back."""
     host, gpu = host_default_set(), gpu_default_set()
+    any_count = [v for v in gpu if v.merge_any]
+    assert len(any_count) == 44
+    gpu = [v for v in gpu if not v.merge_any] + [
+        dataclasses.replace(v, merge_any=False, merge_splits=n)
+        for v in any_count
+        for t, n in MERGED_DECODE_TILES
+        if t == v.batch_tile
+    ]
+    gpu = list({v.name: v for v in gpu}.values())  # the counts kept beside _xn (MERGED_STATIC_TILES) once
     any_page = sorted({v.name for v in host + gpu if v.runtime_page})
     dtypes, pages = ("f16", "bf16", "f32"), (1, 32, 64, 128)
     dropped = plain_variants("explicit", dtypes, [(h, h) for h in DEFAULT_HDIMS], DEFAULT_HEADS, pages)

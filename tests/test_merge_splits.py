@@ -248,3 +248,125 @@ def test_causal_prefill_skips_masked_blocks_in_1024_row_chunks(tmp_path):
         prefill_tile_cost(4096, 1024) - prefill_tile_cost(4096, 4096)
         == 1024 * (1024 + 2048 + 3072 + 4096) - 4096 * 4096 + 3 * 1_400_000
     )
+
+
+# Variant.merge_any: one kernel per tile merges any split count dividing it,
+# read from q's batch, with each launch's entries split-major.
+ANY_CASES = [
+    # (batch, splits, tile, lens): tile 32 filled or padded; tile 128 in
+    # one launch, then two (each launch's entries reordered on their own).
+    (3, 4, 32, [1500, 0, 37]),
+    (1, 32, 32, [2000]),
+    (5, 16, 128, [900, 1700, 3, 260, 1200]),
+    (20, 8, 128, None),
+]
+
+
+@pytest.fixture(scope="module")
+def any_count_dir():
+    out = CACHE / "merge-any"
+    p = Variant("f16", 64, 64, 8, 2, 16, "none").problem
+    anyg = Variant("f16", 64, 64, 0, 0, 16, "none").problem  # run-time heads, any group (dynamic padding)
+    kernels = [online_variant(p, t, 1, merge_any=True) for t in (32, 128)]
+    kernels += [online_variant(anyg, 32, 1, merge_any=True), online_variant(p, 8, 1)]
+    tfb.build(out, ["host"], kernels)
+    return out
+
+
+@pytest.mark.parametrize("batch, splits, tile, lens", ANY_CASES)
+def test_any_count_merge_matches_reference(rng, any_count_dir, batch, splits, tile, lens):
+    s = turbine_fmha.Session("cpu", artifact_dir=any_count_dir, formulation="online")
+    lens = lens or [int(x) for x in rng.integers(0, 1200, batch)]
+    q, k, v, bt, sk = _problem(rng, "f16", lens)
+    out = np.full(q.shape, np.nan, q.dtype)  # poisoned: every element must be written
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=splits, out=out, return_lse=True, session=s)
+    used = s.last_variant
+    assert used.merge_any and used.batch_tile == tile and used.nhead_q == 8
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+
+
+def test_any_count_merge_any_group(rng, any_count_dir):
+    """The run-time-heads kernel (group padded at run time) under a count
+    read at run time: 6/2 heads (group 3) in 4 splits, 2 sequences."""
+    s = turbine_fmha.Session("cpu", artifact_dir=any_count_dir, formulation="online")
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[700, 90], nhead_q=6, nhead_k=2, hdim=64, page=16
+    )
+    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, return_lse=True, session=s)
+    assert s.last_variant.merge_any and s.last_variant.runtime_heads
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+
+
+def test_any_count_steps_are_split_major():
+    """kernel_steps lays each launch's entries out split-major for a
+    merge_any variant (entry j * sequences + b), padding included, and keeps
+    plan.split_kv's order for a merged variant of one count."""
+    from turbine_fmha.calls.mask import MaskSpec
+    from turbine_fmha.calls.plan import KernelCall, kernel_steps, split_kv
+
+    batch, n = 3, 4
+    c = KernelCall(
+        rows=1,
+        q_itemsize=2,
+        nhead_q=8,
+        block_table=np.arange(batch * 8, dtype=np.int32).reshape(batch, 8),
+        page=16,
+        seqlen_q=np.ones(batch, np.int32),
+        seqlen_k=np.array([100, 50, 128], np.int32),
+        kv_shift=np.zeros(batch, np.int32),
+        scale=1.0,
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec(),
+        alibi_slopes=None,
+        bias=None,
+        sinks=None,
+    )
+    split = split_kv(c, n, merged=True)
+    p = Variant("f16", 64, 64, 8, 2, 16, "none").problem
+    (fixed,) = kernel_steps(online_variant(p, 32, 1, merge_splits=n), split)
+    (anyn,) = kernel_steps(online_variant(p, 32, 1, merge_any=True), split)
+    names = ("block_table", "seqlen_q", "seqlen_k", "kv_shift")
+    for a, b in zip(fixed.args[: len(names)], anyn.args[: len(names)]):
+        # fixed: entry b * n + j of 8 sequences' slots; any: entry j * 8 + b.
+        assert np.array_equal(b, a.reshape(8, n, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape))
+    assert anyn.merge == fixed.merge == n and anyn.place is not None
+    with pytest.raises(ValueError, match="cannot merge"):
+        kernel_steps(online_variant(p, 32, 1, merge_any=True), split_kv(c, 3, merged=True))
+
+
+def test_merge_any_field_and_selection(tmp_path):
+    import json
+
+    from turbine_fmha.kernels.signature import KERNEL_ABI
+
+    p = Variant("f16", 128, 128, 32, 8, 16, "none").problem
+    v = online_variant(p, 128, 1, merge_any=True)
+    assert v.name.endswith("_m16_xn") and Variant.parse(v.name) == v
+    assert v.merges(2) and v.merges(128) and not v.merges(3) and not v.merges(0)
+    assert not online_variant(p, 128, 1).merges(4) and online_variant(p, 128, 1).merges(0)
+    for bad in (
+        dict(formulation="explicit", merge_any=True),
+        dict(formulation="online", batch_tile=8, seqlen_q_tile=1, merge_any=True, merge_splits=4),
+        dict(formulation="online", batch_tile=1, seqlen_q_tile=1, merge_any=True),
+    ):
+        with pytest.raises(ValueError, match="merge_any"):
+            Variant(**p, **bad)
+    kernels = [online_variant(p, 8, 1)] + [online_variant(p, t, 1, merge_any=True) for t in (32, 128)]
+    kernels.append(online_variant(p, 128, 1, merge_splits=128))
+    entries = [
+        dict(variant=k.name, target="cuda", path=f"cuda/{k.name}.vmfb", sha256="0" * 64, compiler_version="3.13.0")
+        for k in kernels
+    ]
+    for e in entries:
+        e["kernel_abi"] = KERNEL_ABI
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
+    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
+    assert s.merge_splits_for(p) == (2, 4, 8, 16, 32, 64, 128)
+    assert s.select(p, 1, 16, merge=2).batch_tile == 32  # 16 entries: the smallest tile that holds them
+    assert s.select(p, 1, 128, merge=64).batch_tile == 128  # 64 does not divide 32
+    assert not s.select(p, 1, 8).merging  # an unsplit decode never runs a merging kernel
+    # A kernel of the call's own count before the run-time count at equal cost.
+    assert s.select(p, 1, 128, merge=128).merge_splits == 128
+    assert s.select(p, 1, 128, merge=32).merge_any

@@ -274,7 +274,7 @@ class _Plan:
     def _cost(self, v, call) -> float:
         """modelled_cost, once per tile geometry and call: the built tiles
         are many variants (guards, head counts) of a few geometries."""
-        key = (id(call), v.formulation, v.batch_tile, v.seqlen_q_tile, v.mask, v.merge_splits)
+        key = (id(call), v.formulation, v.batch_tile, v.seqlen_q_tile, v.mask, v.merge_splits, v.merge_any)
         hit = self._costs.get(key)
         if hit is None:
             hit = self._costs[key] = (modelled_cost(v, call), call)  # the call kept: its id stays its own

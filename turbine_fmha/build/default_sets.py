@@ -16,7 +16,8 @@ from ..kernels.variants import (
     GPU_PREFILL_TILE,
     GPU_PREFILL_TILES,
     MASKS,
-    MERGED_DECODE_TILES,
+    MERGED_STATIC_TILES,
+    MERGED_TILES,
     Variant,
     group_rows_for,
     online_unsupported,
@@ -142,13 +143,14 @@ def gpu_default_set() -> list[Variant]:
 ANY_GROUP_PREFILL_PADS = (2, 4, 8, 16)
 
 
-def any_group_online_variants(problem: dict, prefill_tiles=GPU_PREFILL_TILES, merged_tiles=MERGED_DECODE_TILES):
+def any_group_online_variants(problem: dict, prefill_tiles=GPU_PREFILL_TILES, merged_tiles=MERGED_TILES):
     """The online variants of `problem` (run-time head counts, any group):
     the decode tiles, those merging split-KV partials in `merged_tiles`, and
     each of `prefill_tiles` for each padded group of ANY_GROUP_PREFILL_PADS,
     without a mask and bottom-right."""
     out = [online_variant(problem, t, 1) for t, _ in GPU_DECODE_TILES]
-    out += [online_variant(problem, t, 1, merge_splits=n) for t, n in merged_tiles]
+    out += [online_variant(problem, t, 1, merge_any=True) for t in merged_tiles]
+    out += [online_variant(problem, t, 1, merge_splits=n) for t, n in MERGED_STATIC_TILES if t in merged_tiles]
     for (bt, mq), m, gp in itertools.product(prefill_tiles, ("none", "bottom_right"), ANY_GROUP_PREFILL_PADS):
         out.append(online_variant(dict(problem, mask=m), bt, mq, group_rows=gp * mq))
     return out
@@ -166,7 +168,7 @@ def _any_group_gpu_defaults() -> list[Variant]:
         for v in any_group_online_variants(
             Variant(dtype, 128, 128, 0, 0, 16).problem,
             GPU_PREFILL_TILES[:2] + GPU_ENTRY_TILES,
-            [(t, n) for t, n in MERGED_DECODE_TILES if t == 128],
+            (128,),
         )
     ]
     return out + head_major(out)
@@ -231,7 +233,8 @@ def decode_variants(problem: dict) -> list[Variant]:
     plan.py) those that merge split-KV partials in the module."""
     out = [online_variant(problem, t, 1) for t, _ in GPU_DECODE_TILES]
     if group_rows_for(problem, 1):
-        out += [online_variant(problem, t, 1, merge_splits=n) for t, n in MERGED_DECODE_TILES]
+        out += [online_variant(problem, t, 1, merge_any=True) for t in MERGED_TILES]
+        out += [online_variant(problem, t, 1, merge_splits=n) for t, n in MERGED_STATIC_TILES]
     return out
 
 
@@ -260,7 +263,7 @@ def check_set(variants: list[Variant]) -> list[Variant]:
     def family(v: Variant) -> str:
         if v.formulation == "explicit":
             return "explicit"
-        return "merged" if v.merge_splits else ("decode" if v.batch_tile > 1 else "prefill")
+        return "merged" if v.merging else ("decode" if v.batch_tile > 1 else "prefill")
 
     def values(v: Variant) -> set:
         heads = "exact" if not v.runtime_heads else ("group" if v.group else "any")
@@ -281,7 +284,7 @@ def check_set(variants: list[Variant]) -> list[Variant]:
             family=family(v),
             batch_tile=v.batch_tile,
             seqlen_q_tile=v.seqlen_q_tile,
-            merge_splits=v.merge_splits,
+            merge_splits=(v.merge_splits, v.merge_any),
             group_rows=v.group_rows,
             dtype_family=(v.dtype, family(v)),
             hdims_family=((v.hdim_q, v.hdim_v), family(v)),

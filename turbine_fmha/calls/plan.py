@@ -72,6 +72,9 @@ class KernelCall:
     alibi_slopes: np.ndarray | None
     bias: np.ndarray | None
     sinks: np.ndarray | None
+    # split_kv's entries per sequence when a variant merges them in the
+    # module (1: the entries are the sequences, or merged on the host).
+    merged: int = 1
 
     @property
     def batch(self) -> int:
@@ -126,10 +129,21 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
         bias = _pad_axis(bias[..., :nk], 3, nk)
     mask = c.mask if variant.mask != "none" else MaskSpec()
 
-    order = [n for n in call_args(variant) if n not in PER_RUN_ARGS]
+    arg_order = [a for a in call_args(variant) if a not in PER_RUN_ARGS]
+
+    n = max(1, variant.merge_splits, c.merged if variant.merge_any else 1)
+    if variant.merging and (c.merged != n or variant.batch_tile % n):  # pragma: no cover - split_kv's entries
+        raise ValueError(f"{variant.name} cannot merge {c.merged} entries per sequence of {c.batch}")
+    order = None
+    if variant.merge_any:
+        # Each launch's entries split-major (Variant.merge_any): entry
+        # j * sequences + b is split j of the launch's sequence b.
+        order = np.arange(variant.batch_tile).reshape(-1, n).T.reshape(-1)
 
     def step(b0, b1, s, e, tile):
         pad = (lambda a: _pad_rows(a, tile[0])) if tile else (lambda a: a)
+        if order is not None:
+            pad = lambda a, rows=pad: rows(a)[order]
         w = _pages_needed(c, mask, b0, b1, e)
         args = dict(
             block_table=lambda: np.ascontiguousarray(pad(c.block_table[b0:b1])[:, :w]),
@@ -142,8 +156,7 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
             bias=lambda: _bias_rows(bias, b0, b1, s, e, w * c.page, tile, pad),
             sinks=lambda: c.sinks,
         )
-        n = max(1, variant.merge_splits)
-        made = [args[a]() for a in order] if with_args else []
+        made = [args[a]() for a in arg_order] if with_args else []
         return Step(b0, b1, s, e, tile, made, _placer(b0 // n, b1 // n, s, e), n, w)
 
     if variant.formulation == "explicit":
@@ -154,8 +167,6 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
             chunk = min(chunk, MASKED_CHUNK_ROWS)
         return [step(0, c.batch, s, min(c.rows, s + chunk), None) for s in range(0, c.rows, chunk)]
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
-    if variant.merge_splits and c.batch % variant.merge_splits:  # pragma: no cover - split_kv's entries
-        raise ValueError(f"{variant.name} merges {variant.merge_splits} entries per sequence; got {c.batch}")
     return [
         step(b0, min(c.batch, b0 + bt_t), s, min(c.rows, s + mq), (bt_t, mq))
         for b0 in range(0, c.batch, bt_t)
@@ -386,6 +397,7 @@ def split_kv(c: KernelCall, n: int, merged: bool = False) -> KernelCall:
         alibi_slopes=rep(c.alibi_slopes),
         bias=bias,
         sinks=c.sinks if merged else None,
+        merged=n if merged else 1,
     )
 
 

@@ -46,8 +46,14 @@ CONVENTION = (
 )
 
 SYMBOLS = {
-    "B": "kernel entries: sequences, or split-KV entries (sequence b's split j at entry b * n + j, n = merge_splits)",
-    "BO": "query sequences (B / merge_splits where the variant merges split-KV entries, else B)",
+    "B": (
+        "kernel entries: sequences, or split-KV entries (sequence b's split j at entry b * n + j, n = merge_splits; "
+        "at entry j * BO + b where merge_splits is -1)"
+    ),
+    "BO": (
+        "query sequences (B / merge_splits where the variant merges split-KV entries, else B; where merge_splits "
+        "is -1, dynamic: q's batch, and n = B / BO)"
+    ),
     "S": "query rows per entry",
     "HQ": "query heads",
     "HK": "KV heads (HQ is a multiple: GQA group HQ / HK)",
@@ -154,6 +160,10 @@ PRECONDITIONS = {
         "of sequence b, its seqlen_q and seqlen_k the sequence's, its kv_shift the sequence's minus the split's "
         "first gathered row; q and the results are per sequence (BO = B / n)"
     ),
+    "merge_any": (
+        "attributes.merge_splits -1: the same for any n of 2 or more that divides B, read from q's batch (BO = B / n "
+        "sequences), with the entries split-major: entry j * BO + b is split j of sequence b"
+    ),
     "finite_stale_rows": (
         "every V row the kernel reads is finite, also rows that hold no key (past seqlen_k in a sequence's last "
         "page, before kv_shift in its first, and the pages that unused slots name): this variant (v_guard 0, "
@@ -223,7 +233,11 @@ def abi(kernel: Variant | AppendKernel) -> dict:
         decl = FWD
         args = [_tensor(a, types, a.when) for a in FWD.args if present(v, a)]
         pre = ["slots", "lengths", "windows"]
-        pre += ["static_tiles"] * bool(v.batch_tile) + ["merge_splits"] * bool(v.merge_splits)
+        pre += (
+            ["static_tiles"] * bool(v.batch_tile)
+            + ["merge_splits"] * bool(v.merge_splits)
+            + ["merge_any"] * v.merge_any
+        )
         pre += ["finite_stale_rows"] * (not v.v_guard)
         pre += ["fp8_static"] * v.static_quant + ["fp8_kv"] * bool(v.kv_dtype and not v.static_quant)
         planning = ["pad_to_tiles" if v.batch_tile else "chunk_rows", "trim_table", "host_merge"]

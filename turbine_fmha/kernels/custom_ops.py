@@ -138,15 +138,25 @@ def variant_of(kernel_formulation: str, tensors: list, attrs: dict) -> Variant:
         batch_tile=sym["B"] if online else 0,
         seqlen_q_tile=sym["S"] if online else 0,
         group_rows=attrs["group_rows"],
-        merge_splits=attrs["merge_splits"],
+        # -1: any count (signature.fwd_attrs).
+        merge_splits=max(0, attrs["merge_splits"]),
+        merge_any=attrs["merge_splits"] < 0,
     )
-    torch._check(
-        sym["B"] == sym["BO"] * max(1, v.merge_splits),
-        lambda: (
-            f"q has {sym['BO']} sequences; the block table must have {max(1, v.merge_splits)} "
-            f"entries per sequence, got {sym['B']}"
-        ),
-    )
+    if v.merge_any:
+        torch._check(
+            sym["B"] % sym["BO"] == 0 and sym["B"] // sym["BO"] >= 2,
+            lambda: (
+                f"q has {sym['BO']} sequences; the block table's {sym['B']} entries must be a multiple (2 or more) of it"
+            ),
+        )
+    else:
+        torch._check(
+            sym["B"] == sym["BO"] * max(1, v.merge_splits),
+            lambda: (
+                f"q has {sym['BO']} sequences; the block table must have {max(1, v.merge_splits)} "
+                f"entries per sequence, got {sym['B']}"
+            ),
+        )
     for arg, t in zip(sig.FWD.args, tensors):
         want = _TORCH_DTYPE[sig.fwd_types(v).dtypes[arg.dtype]]
         torch._check(t is None or t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
@@ -259,8 +269,10 @@ def template_params(v: Variant) -> dict:
         BT=bt,
         MQ=mq,
         GP=gp,
-        MERGE=v.merge_splits,
-        BO=bt // v.merge_splits if v.merge_splits else bt,
+        MERGE="?" if v.merge_any else v.merge_splits,
+        MERGE_ANY=v.merge_any,
+        BO="?" if v.merge_any else (bt // v.merge_splits if v.merge_splits else bt),
+        BOV="%bo" if v.merge_any else (bt // v.merge_splits if v.merge_splits else bt),
         PAD=heads["G"] == "?" or gp > heads["G"],
         PER_HEAD=any(o.heads for o in terms_read),
         MASK_ET="f32" if terms_read else "i1",

@@ -101,7 +101,8 @@ _STATS = ("BO", "HQ", "S")
 # of exp(score - max), the split-KV merge's weights.
 # "B" counts kernel entries, "BO" query sequences: they differ in a variant
 # that merges split-KV partials in the module (Variant.merge_splits), where
-# entry b * n + j is split j of sequence b; elsewhere BO is B.
+# entry b * n + j is split j of sequence b (Variant.merge_any: any n, BO
+# dynamic, entry j * BO + b); elsewhere BO is B.
 FWD = Kernel(
     "pagedkv_fwd",
     args=(
@@ -227,7 +228,7 @@ def fwd_attrs(v) -> dict:
         kv_dtype=v.dtype if v.static_quant else v.kv_dtype,
         v_guard=int(v.v_guard),
         group_rows=v.group_rows,
-        merge_splits=v.merge_splits,
+        merge_splits=-1 if v.merge_any else v.merge_splits,  # -1: any count (Variant.merge_any)
         runtime_heads=int(v.runtime_heads),
         group=v.group,
         runtime_page=int(v.runtime_page),
@@ -273,6 +274,8 @@ def fwd_types(v) -> Types:
     )
     if v.runtime_page:
         sym["PG"] = "?"
+    if v.merge_any:
+        sym["BO"] = "?"  # q's batch: the split count is batch_tile / BO
     # G: query heads per KV head (HQ = HK x G), of the views that split HQ.
     sym["G"] = (v.group or "?") if v.runtime_heads else v.nhead_q // v.nhead_k
     full = frozenset()

@@ -60,7 +60,7 @@ class Variant(Named):
     # The metadata writes the name (naming.NameCodec): pagedkv_fwd_<dtype>
     # _d<hdim_q>x<hdim_v>[_h<nhead_q>x<nhead_k>|_g<group>]_pg<page>[_hnd][_vcol][_kv<fp8>]
     # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
-    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>][_x<merge_splits>].
+    # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>][_x<merge_splits>|_xn].
     dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
     hdim_q: int = dataclasses.field(metadata=number(1, "_d"))
     hdim_v: int = dataclasses.field(metadata=number(2, "x"))
@@ -112,6 +112,14 @@ class Variant(Named):
     # merge of the partials costs more than the splits save on a GPU
     # (plan.DECODE_ITEMS_PER_UNIT).
     merge_splits: int = dataclasses.field(default=0, metadata=number(20, "_x", omit=0))
+    # Split-KV merged inside the module for any split count n (named _xn):
+    # read at run time from q's batch (batch_tile / n sequences), with the
+    # entries split-major (split j of sequence b at entry j * sequences + b,
+    # which keeps IREE's configuration of the merge's reductions: kernel
+    # steps reorder plan.split_kv's entries). One kernel per tile serves
+    # every count that divides it, where merge_splits needs one per count
+    # (docs/devlog/perf-notes.md, "A run-time split count").
+    merge_any: bool = dataclasses.field(default=False, metadata=enum(20.5, _flag("_xn")))
     # Run-time head counts: a variant with nhead_q = nhead_k = 0 reads both
     # from its arguments' shapes, so one artifact serves every model of its
     # other fields. `group` is then its static GQA group (nhead_q / nhead_k,
@@ -186,6 +194,11 @@ class Variant(Named):
                 "merge_splits (at least 2) merges an online variant's batch entries: batch_tile "
                 "must be a multiple of it"
             )
+        if self.merge_any and (self.formulation != "online" or self.merge_splits or self.batch_tile < 2):
+            raise ValueError(
+                "merge_any merges an online variant's batch entries (a batch tile of at least 2) in a "
+                "count read at run time, instead of merge_splits"
+            )
         if not self.v_guard and (self.formulation != "online" or self.kv_dtype or self.v_layout != "row"):
             raise ValueError("only online variants with a row-major fp16/bf16/f32 V cache can drop the V guard")
 
@@ -241,6 +254,18 @@ class Variant(Named):
         if not self.runtime_heads:
             return group == self.group_size
         return group == self.group if self.group else self.formulation == "explicit" or group <= self.padded_group
+
+    @property
+    def merging(self) -> bool:
+        """Whether the variant merges split-KV entries (a static or run-time count)."""
+        return bool(self.merge_splits or self.merge_any)
+
+    def merges(self, n: int) -> bool:
+        """Whether the variant serves n split-KV entries per sequence merged
+        in the module (n 0 or 1: a call that merges none)."""
+        if n < 2:
+            return not self.merging
+        return self.merge_splits == n or (self.merge_any and self.batch_tile % n == 0)
 
     @property
     def problem(self) -> dict:
@@ -339,6 +364,18 @@ MERGED_DECODE_TILES = (
     + tuple((32, n) for n in (4, 8, 16, 32))
 )
 MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))
+# The batch tiles of the decode variants that merge any split count
+# (Variant.merge_any): one kernel each serves every count of
+# MERGED_DECODE_TILES at its tile, and the counts that divide it at the
+# smaller tiles. The default sets build these; a variant of one count
+# (merge_splits) is what an export or a first use compiles.
+MERGED_TILES = tuple(sorted({t for t, _ in MERGED_DECODE_TILES}))
+# (batch tile, split count) of the merged decodes the default sets keep
+# in one count beside the tile's run-time count: at 128 splits of one
+# sequence (b1 x 32k) the run-time count's merge cost ~15 us more on the
+# H200 (0.176-0.181 against 0.161-0.166 ms; b16 x 4096 in 8 and b4 x 32k
+# in 32 splits ran at 0.97-1.01x), and 64 splits of two are as close.
+MERGED_STATIC_TILES = ((128, 64), (128, 128))
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 
 

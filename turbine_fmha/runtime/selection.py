@@ -115,7 +115,7 @@ class VariantSelection:
         cands = [
             v
             for v in self._served_by(problem)
-            if v.formulation == formulation and (v.v_guard or stale_rows_finite) and v.merge_splits == merge
+            if v.formulation == formulation and (v.v_guard or stale_rows_finite) and v.merges(merge)
         ]
         if self.compile_missing:
             # The default variant for the call competes with the built ones
@@ -135,8 +135,9 @@ class VariantSelection:
             # the other way round: one more launch costs more host time than
             # padded batch entries cost on the device (docs/devlog/perf-notes.md).
             # At equal cost, a built variant before compiling one, then the
-            # most specialized page size and heads.
-            tail = (v.v_guard, v.name not in self._index, v.runtime_page, _heads_rank(v))
+            # most specialized page size and heads, then a merge of the
+            # call's own split count (variants.MERGED_STATIC_TILES).
+            tail = (v.v_guard, v.name not in self._index, v.runtime_page, _heads_rank(v), v.merge_any)
             if v.formulation == "explicit":
                 return (0, 0) + tail
             btiles = -(-batch // v.batch_tile)
@@ -159,7 +160,7 @@ class VariantSelection:
             for v in self._served_by(problem)
             if v.formulation == "online"
             and v.seqlen_q_tile == ENTRY_ROWS
-            and not v.merge_splits
+            and not v.merging
             and (v.v_guard or stale_rows_finite)
         ]
         return tuple(cands) if any(v.batch_tile > 1 for v in cands) else ()
@@ -177,7 +178,7 @@ class VariantSelection:
             (
                 v.batch_tile
                 for v in self._served_by(problem)
-                if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merge_splits
+                if v.formulation == formulation and v.seqlen_q_tile == 1 and not v.merging
             ),
             default=0,
         )
@@ -197,9 +198,11 @@ class VariantSelection:
         return tuple(
             sorted(
                 {
-                    v.merge_splits
+                    n
                     for v in self._served_by(problem)
-                    if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merge_splits and v.v_guard
+                    if v.formulation == "online" and v.seqlen_q_tile == 1 and v.merging and v.v_guard
+                    for n in MERGE_SPLITS
+                    if v.merges(n)
                 }
             )
         )
