@@ -4,11 +4,12 @@ and the score terms kept out of the skeletons.
 DIGESTS is the sha256 (first 16 hex digits) of kernels.render_variant for a
 representative subset: both formulations, every score term and bias
 shape, every mask, the layouts, fp8 caches and static quantization, run-
-time heads, group padding, split-KV merges, no V guard, and the append
-kernels. It was recorded before the score terms became hooks (issue 26),
-when the full sets (host, GPU, append, the tests' variants and a covering
-sweep, 3,266 kernels) rendered byte-identical too. A template change that
-alters one of these kernels must change its digest here, on purpose.
+time heads, group padding, split-KV merges (of one count and of any), no
+V guard, and the append kernels. It was recorded before the score terms
+became hooks (issue 26), when the full sets (host, GPU, append, the tests'
+variants and a covering sweep, 3,266 kernels) rendered byte-identical
+too. A template change that alters one of these kernels must change its
+digest here, on purpose.
 
 The skeletons (every template outside mlir/terms/) call the score terms
 through hooks (mlir/hooks.mlir.jinja) and test no feature: no `if` of
@@ -65,6 +66,8 @@ DIGESTS = {
     "pagedkv_fwd_f32_d64x64_h8x2_pg16_mbr_bias1h_lse_online_b1_q16": "95f733666b31829d",
     "pagedkv_fwd_f16_d64x64_h8x2_pg16_nmask_biasbh_lse_online_b8_q1_nvguard": "b7a5b063d978f736",
     "pagedkv_fwd_f16_d64x64_g4_pg16_nmask_lse_online_b32_q1_m16_x4": "53d1964b5804aca3",
+    "pagedkv_fwd_f16_d64x64_h8x2_pg16_nmask_lse_online_b128_q1_m16_xn": "22ac3e050771ac22",
+    "pagedkv_fwd_bf16_d64x64_pg16_hnd_nmask_lse_online_b32_q1_nvguard_m16_xn": "73c3ec1456739409",
     "pagedkv_fwd_f16_d64x64_pg16_nmask_lse_online_b8_q1_m16": "50b31a27fe43f464",
     "pagedkv_fwd_bf16_d64x64_pg16_hnd_mbr_lse_online_b1_q16_m64": "c94a877915eebbcb",
     "pagedkv_fwd_f16_d64x64_g2_pg16_mbr_alibi_lse_online_b1_q16": "a481de97d9b1fe9d",
