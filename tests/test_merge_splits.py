@@ -269,6 +269,7 @@ def any_count_dir():
     anyg = Variant("f16", 64, 64, 0, 0, 16, "none").problem  # run-time heads, any group (dynamic padding)
     kernels = [online_variant(p, t, 1, merge_any=True) for t in (32, 128)]
     kernels += [online_variant(anyg, 32, 1, merge_any=True), online_variant(p, 8, 1)]
+    kernels.append(online_variant(dict(anyg, dtype="bf16", kv_layout="HND"), 32, 1, merge_any=True))
     tfb.build(out, ["host"], kernels)
     return out
 
@@ -285,16 +286,24 @@ def test_any_count_merge_matches_reference(rng, any_count_dir, batch, splits, ti
     _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
 
 
-def test_any_count_merge_any_group(rng, any_count_dir):
+@pytest.mark.parametrize("dtype, kv_layout", [("f16", "NHD"), ("bf16", "HND")])
+def test_any_count_merge_any_group(rng, any_count_dir, dtype, kv_layout):
     """The run-time-heads kernel (group padded at run time) under a count
-    read at run time: 6/2 heads (group 3) in 4 splits, 2 sequences."""
+    read at run time: 6/2 heads (group 3) in 4 splits, 2 sequences; also
+    over head-major pages."""
     s = turbine_fmha.Session("cpu", artifact_dir=any_count_dir, formulation="online")
     q, k, v, bt, sk = make_problem(
-        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[700, 90], nhead_q=6, nhead_k=2, hdim=64, page=16
+        rng, dtype=dtype, batch=2, seqlen_q=1, seqlens_k=[700, 90], nhead_q=6, nhead_k=2, hdim=64, page=16
     )
-    out, lse = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, num_splits=4, return_lse=True, session=s)
-    assert s.last_variant.merge_any and s.last_variant.runtime_heads
-    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    if kv_layout == "HND":
+        k, v = (np.ascontiguousarray(c.transpose(0, 2, 1, 3)) for c in (k, v))
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, bt, sk, num_splits=4, return_lse=True, session=s, kv_layout=kv_layout
+    )
+    used = s.last_variant
+    assert used.merge_any and used.runtime_heads and used.kv_layout == kv_layout
+    _check(out, lse, ref, ref_lse, dtype)
 
 
 def test_any_count_steps_are_split_major():
