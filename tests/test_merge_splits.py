@@ -270,6 +270,11 @@ def any_count_dir():
     kernels = [online_variant(p, t, 1, merge_any=True) for t in (32, 128)]
     kernels += [online_variant(anyg, 32, 1, merge_any=True), online_variant(p, 8, 1)]
     kernels.append(online_variant(dict(anyg, dtype="bf16", kv_layout="HND"), 32, 1, merge_any=True))
+    # Score terms under a run-time count: sinks, soft-cap and a window (the
+    # group padded), and ALiBi (the per-head loop, no padding).
+    terms = Variant("bf16", 64, 64, 8, 2, 16, "bottom_right", softcap=True, sinks=True).problem
+    alibi = Variant("f16", 64, 64, 8, 2, 16, "none", bias="alibi").problem
+    kernels += [online_variant(terms, 32, 1, merge_any=True), online_variant(alibi, 32, 1, merge_any=True)]
     tfb.build(out, ["host"], kernels)
     return out
 
@@ -304,6 +309,30 @@ def test_any_count_merge_any_group(rng, any_count_dir, dtype, kv_layout):
     used = s.last_variant
     assert used.merge_any and used.runtime_heads and used.kv_layout == kv_layout
     _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("feature", ["sinks_window_softcap", "alibi"])
+def test_any_count_merge_with_score_terms(rng, any_count_dir, feature):
+    """Sinks join the merged denominator once, a window masks whole splits,
+    and per-sequence ALiBi slopes follow each entry into its split-major
+    slot."""
+    s = turbine_fmha.Session("cpu", artifact_dir=any_count_dir, formulation="online")
+    if feature == "alibi":
+        q, k, v, bt, sk = _problem(rng, "f16", [900, 260])
+        kw = dict(alibi_slopes=rng.uniform(0.01, 0.3, (2, 8)).astype(np.float32))
+        splits, dtype = 8, "f16"
+    else:
+        q, k, v, bt, sk = _problem(rng, "bf16", [1100, 700, 300])
+        kw = dict(mask_type="bottom_right", window_size_left=250, window_size_right=0, logits_soft_cap=20.0)
+        kw["sinks"] = rng.uniform(-1, 2, q.shape[2]).astype(np.float32)
+        splits, dtype = 4, "bf16"
+    out = np.full(q.shape, np.nan, q.dtype)
+    out, lse = turbine_fmha.fmha_fwd_paged(
+        q, k, v, bt, sk, num_splits=splits, out=out, return_lse=True, session=s, **kw
+    )
+    used = s.last_variant
+    assert used.merge_any and used.batch_tile == 32 and (used.bias == "alibi") == (feature == "alibi")
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk, **kw), dtype)
 
 
 def test_any_count_steps_are_split_major():
