@@ -372,9 +372,9 @@ MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))
 MERGED_TILES = tuple(sorted({t for t, _ in MERGED_DECODE_TILES}))
 # (batch tile, split count) of the merged decodes the default sets keep
 # in one count beside the tile's run-time count: at 128 splits of one
-# sequence (b1 x 32k) the run-time count's merge cost ~15 us more on the
-# H200 (0.176-0.181 against 0.161-0.166 ms; b16 x 4096 in 8 and b4 x 32k
-# in 32 splits ran at 0.97-1.01x), and 64 splits of two are as close.
+# sequence the run-time count cost ~9% more on the H200, at 8 and 32 it
+# did not (docs/devlog/perf-notes.md, "A run-time split count"). 64 splits
+# (two sequences a launch) are kept too, not measured.
 MERGED_STATIC_TILES = ((128, 64), (128, 128))
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]
 
