@@ -334,15 +334,16 @@ def test_exported_online_decode_with_static_batch(rng, batch):
         _check(ctx.modules.module["main"], prob, "f16", **causal)
 
 
-@pytest.mark.parametrize("batch, splits, tile", [(3, 4, 32), (9, 4, 128), (2, 2, 128)])
+@pytest.mark.parametrize("batch, splits, tile", [(3, 4, 32), (9, 4, 64), (2, 2, 32), (40, 4, 128)])
 def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
     """export_options(formulation="online", num_splits=n): each sequence's
     keys as n entries over runs of its table's columns (absolute key
     positions through kv_shift, the table padded with its first page),
     merged inside the kernel: the merged variant of the runtime's tile for
-    batch x n entries (3 x 4 -> tile 32, 9 x 4 -> 128, 2 x 2 -> 128), the
-    table width and page count dynamic (widths that n divides and that it
-    does not; sequences shorter than a split). Against the float64
+    batch x n entries, the smallest merged tile that n divides and that
+    holds them (3 x 4 -> tile 32, 9 x 4 -> 64, 2 x 2 -> 32; 40 x 4 -> two
+    launches of 128), the table width and page count dynamic (widths that
+    n divides and that it does not; sequences shorter than a split). Against the float64
     reference, garbage in unused slots, NaN in unused pages."""
     import iree.compiler as ic
     import iree.runtime as rt

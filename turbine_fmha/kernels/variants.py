@@ -414,8 +414,10 @@ def group_rows_for(problem: dict, seqlen_q_tile: int) -> int:
 def decode_batch_tile(batch: int, merge: int = 0) -> int:
     """The batch tile of an online decode of `batch` sequences (or entries,
     merging `merge` split-KV partials per sequence): the smallest that
-    holds the batch in one launch, else the largest."""
-    tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else sorted(t for t, n in MERGED_DECODE_TILES if n == merge)
+    holds the batch in one launch, else the largest. A merge takes the
+    merged tiles that `merge` divides (a kernel of one count, compiled on
+    first use or into an export, can have any of them)."""
+    tiles = [t for t, _ in GPU_DECODE_TILES] if not merge else [t for t in MERGED_TILES if t % merge == 0]
     return next((t for t in tiles if t >= batch), tiles[-1])
 
 
