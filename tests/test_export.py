@@ -33,17 +33,22 @@ class Attention(torch.nn.Module):
 def _compiled(module, example, dynamic):
     """The exported module compiled for the host: its `main`. `dynamic`:
     True for dynamic batch, pages and width, or the dynamic_shapes."""
-    import iree.compiler as ic
-    import iree.runtime as rt
-
     dims = dynamic if isinstance(dynamic, list) else None
     if dynamic is True:
         b, np_, w = torch.export.Dim("batch"), torch.export.Dim("pages"), torch.export.Dim("width")
         dims = [{0: b}, {0: np_}, {0: np_}, {0: b, 1: w}, {0: b}] + [None] * (len(example) - 5)
     exported = aot.export(module, args=tuple(_numpy_to_torch(a) for a in example), dynamic_shapes=dims)
+    return _host_main(str(exported.mlir_module))
+
+
+def _host_main(mlir: str):
+    """An exported program's MLIR compiled for the host and loaded: its `main`."""
+    import iree.compiler as ic
+    import iree.runtime as rt
+
     # A static-shape program's vectors exceed llvm-cpu's default limit.
     flags = ["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"]
-    vmfb = ic.compile_str(str(exported.mlir_module), target_backends=["llvm-cpu"], extra_args=flags)
+    vmfb = ic.compile_str(mlir, target_backends=["llvm-cpu"], extra_args=flags)
     config = rt.Config("local-task")
     ctx = rt.SystemContext(config=config)
     ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
@@ -319,19 +324,10 @@ def test_exported_online_decode_with_static_batch(rng, batch):
         tile = decode_batch_tile(batch)
         assert f"_nmask_lse_online_b{tile}_q1_{'nvguard_' if finite else ''}m" in text
         assert "_explicit" not in text
-        import iree.compiler as ic
-        import iree.runtime as rt
 
-        vmfb = ic.compile_str(
-            text,
-            target_backends=["llvm-cpu"],
-            extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"],
-        )
-        config = rt.Config("local-task")
-        ctx = rt.SystemContext(config=config)
-        ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+        main = _host_main(text)
         causal = {} if finite else dict(mask_type="bottom_right", window_size_right=0)
-        _check(ctx.modules.module["main"], prob, "f16", **causal)
+        _check(main, prob, "f16", **causal)
 
 
 @pytest.mark.parametrize("batch, splits, tile", [(3, 4, 32), (9, 4, 64), (2, 2, 32), (40, 4, 128)])
@@ -345,8 +341,6 @@ def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
     launches of 128), the table width and page count dynamic (widths that
     n divides and that it does not; sequences shorter than a split). Against the float64
     reference, garbage in unused slots, NaN in unused pages."""
-    import iree.compiler as ic
-    import iree.runtime as rt
 
     shape = dict(dtype="f16", seqlen_q=1, nhead_q=4, nhead_k=2, hdim=32, page=16)
     seqlens = rng.integers(1, 200, batch).tolist()
@@ -357,15 +351,7 @@ def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
         exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob), dynamic_shapes=dims)
     text = str(exported.mlir_module)
     assert f"_nmask_lse_online_b{tile}_q1_m16_x{splits}" in text and "_explicit" not in text
-    vmfb = ic.compile_str(
-        text,
-        target_backends=["llvm-cpu"],
-        extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"],
-    )
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    main = ctx.modules.module["main"]
+    main = _host_main(text)
     for lens in (seqlens, [int(x) for x in rng.integers(1, 300, batch)], [1] * batch):
         prob = make_problem(rng, batch=batch, seqlens_k=lens, extra_slots=int(rng.integers(0, 4)), **shape)
         _check(main, prob, "f16", mask_type="bottom_right", window_size_right=0)
@@ -380,8 +366,6 @@ def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
     row 1024), causal with the bottom-right diagonal, sequences with keys
     cached before the rows among them. Against the float64 reference,
     garbage in unused slots, NaN in unused pages (the guarded kernel)."""
-    import iree.compiler as ic
-    import iree.runtime as rt
 
     from turbine_fmha.api.exported import _prefill_tile
 
@@ -392,15 +376,8 @@ def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
         exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob))
     text = str(exported.mlir_module)
     assert f"_mbr_lse_online_b1_q{tile}" in text and "_explicit" not in text
-    vmfb = ic.compile_str(
-        text,
-        target_backends=["llvm-cpu"],
-        extra_args=["--iree-llvmcpu-target-cpu=host", "--iree-llvmcpu-fail-on-large-vector=false"],
-    )
-    config = rt.Config("local-task")
-    ctx = rt.SystemContext(config=config)
-    ctx.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
-    _check(ctx.modules.module["main"], prob, "f16", mask_type="bottom_right", window_size_right=0)
+    main = _host_main(text)
+    _check(main, prob, "f16", mask_type="bottom_right", window_size_right=0)
 
 
 def test_online_export_refuses_what_it_does_not_take():
