@@ -248,12 +248,9 @@ def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, sc
         cols = torch.arange(per * splits)
         table = block_table[:, torch.where(cols < width, cols, 0)].reshape(batch * splits, per)
         shift = (torch.arange(splits, dtype=torch.int32) * (-per * k_cache.shape[1])).repeat(batch)
-    entries = dict(
-        table=table,
-        seqlen_q=torch.ones(batch * splits, dtype=torch.int32),
-        seqlen_k=seqlen_k.repeat_interleave(splits) if splits > 1 else seqlen_k,
-        kv_shift=shift,
-    )
+    # Per entry: one query row, its sequence's keys.
+    entry_rows = torch.ones(batch * splits, dtype=torch.int32)
+    entry_keys = seqlen_k.repeat_interleave(splits) if splits > 1 else seqlen_k
     seqs = tile // splits  # sequences a launch holds
     zeros = lambda k, part: torch.zeros((k, *part.shape[1:]), dtype=part.dtype)
     first_row = lambda k, part: part[:1].expand(k, *part.shape[1:])
@@ -272,10 +269,10 @@ def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, sc
             padded(q, start, n, seqs, zeros),
             k_cache,
             v_cache,
-            padded(entries["table"], e0, ne, tile, first_row),
-            padded(entries["seqlen_q"], e0, ne, tile, zeros),
-            padded(entries["seqlen_k"], e0, ne, tile, zeros),
-            padded(entries["kv_shift"], e0, ne, tile, zeros),
+            padded(table, e0, ne, tile, first_row),
+            padded(entry_rows, e0, ne, tile, zeros),
+            padded(entry_keys, e0, ne, tile, zeros),
+            padded(shift, e0, ne, tile, zeros),
             *scalars,
             *fwd_attrs(kernel).values(),
         )
