@@ -45,6 +45,46 @@ def variants(n: int) -> dict:
     }
 
 
+def decode_case(rng, batch: int, keys: int):
+    """Random f16 paged decode inputs (pages shuffled, every sequence `keys`
+    long) and the mask-free KernelCall over them: (q, k_cache, v_cache,
+    block_table, seqlen_k, call)."""
+    pages = keys // PAGE
+    num_pages = batch * pages + 1
+    kc = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(np.float16)
+    vc = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(np.float16)
+    bt = rng.permutation(num_pages)[: batch * pages].reshape(batch, pages).astype(np.int32)
+    sk = np.full(batch, keys, np.int32)
+    q = rng.standard_normal((batch, 1, HQ, D), dtype=np.float32).astype(np.float16)
+    call = KernelCall(
+        rows=1,
+        q_itemsize=2,
+        nhead_q=HQ,
+        block_table=bt,
+        page=PAGE,
+        seqlen_q=np.ones(batch, np.int32),
+        seqlen_k=sk,
+        kv_shift=np.zeros(batch, np.int32),
+        scale=1 / math.sqrt(D),
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=MaskSpec(),
+        alibi_slopes=None,
+        bias=None,
+        sinks=None,
+    )
+    return q, kc, vc, bt, sk, call
+
+
+def device_ms(loaded, dargs: list, repeat: int) -> float:
+    """Device time per call: `repeat` calls queued back to back, one wait."""
+    t0 = time.perf_counter()
+    calls = [loaded.enqueue(list(dargs)) for _ in range(repeat)]
+    calls[-1].wait()
+    return (time.perf_counter() - t0) * 1e3 / repeat
+
+
 def build(out: Path, target: str) -> None:
     from turbine_fmha.build.compiler import _compile_one
     from turbine_fmha.build.targets import TARGETS
@@ -82,31 +122,7 @@ def main() -> int:
     local = args.device == "local-task"
     rng = np.random.default_rng(0)
     for batch, keys, n in CASES if not local else CPU_CASES:
-        pages = keys // PAGE
-        num_pages = batch * pages + 1
-        kc = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(np.float16)
-        vc = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(np.float16)
-        bt = rng.permutation(num_pages)[: batch * pages].reshape(batch, pages).astype(np.int32)
-        sk = np.full(batch, keys, np.int32)
-        q = rng.standard_normal((batch, 1, HQ, D), dtype=np.float32).astype(np.float16)
-        call = KernelCall(
-            rows=1,
-            q_itemsize=2,
-            nhead_q=HQ,
-            block_table=bt,
-            page=PAGE,
-            seqlen_q=np.ones(batch, np.int32),
-            seqlen_k=sk,
-            kv_shift=np.zeros(batch, np.int32),
-            scale=1 / math.sqrt(D),
-            softcap=0.0,
-            scale_o=1.0,
-            scale_p=1.0,
-            mask=MaskSpec(),
-            alibi_slopes=None,
-            bias=None,
-            sinks=None,
-        )
+        q, kc, vc, bt, sk, call = decode_case(rng, batch, keys)
         split = split_kv(call, n, merged=True)
         ref, _ = fmha_fwd_paged_ref(q, kc, vc, bt, sk)
         mods = {}
@@ -126,10 +142,7 @@ def main() -> int:
                 outs[label] = np.array(loaded.invoke(list(dargs))[0].to_host()[:batch], copy=True)
                 if local:  # a dry run: the CPU checks the outputs, its times mean nothing
                     continue
-                t0 = time.perf_counter()
-                calls = [loaded.enqueue(list(dargs)) for _ in range(args.repeat)]
-                calls[-1].wait()
-                times[label].append((time.perf_counter() - t0) * 1e3 / args.repeat)
+                times[label].append(device_ms(loaded, dargs, args.repeat))
         line = [f"b{batch} x {keys}, {n} splits (device ms, median of {args.rounds} rounds; rel err):"]
         for label in mods:
             err = float(np.abs(outs[label].astype(np.float64) - ref).max() / np.abs(ref).max())

@@ -12,72 +12,40 @@ DIR holds `<variant>.vmfb` for the static variants (turbine_fmha's
 compile, build.compiler._compile_one, for the device), `dyn.vmfb` and
 `dyn_sm.vmfb` (the two edited modules through the same compile):
 
-    python3 benchmarks/probes/h200_merge_proto.py --device cuda --dir DIR
+    python3 benchmarks/probes/h200_merge_proto.py --dir DIR
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import iree.runtime as rt
+from h200_merge_any import CASES, PROBLEM, decode_case, device_ms
 
-from turbine_fmha.calls.mask import MaskSpec
-from turbine_fmha.calls.plan import KernelCall, kernel_steps, split_kv
-from turbine_fmha.kernels.variants import Variant, online_variant
+from turbine_fmha.calls.plan import kernel_steps, split_kv
+from turbine_fmha.kernels.variants import online_variant
 from turbine_fmha.runtime.invoke import _Loaded
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
-
-HQ, HK, D, PAGE = 32, 8, 128, 16
-CASES = ((16, 4096, 8), (4, 32768, 32), (1, 32768, 128))  # batch, keys, splits
-CPU_CASES = ((16, 256, 8), (4, 2048, 32), (1, 4096, 128))  # the same entries, fewer keys
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     d = Path(args.dir)
-    config = rt.Config(args.device)
+    config = rt.Config("cuda")  # its to_host copies; a CPU run would need the copies h200_merge_any makes
     dev = config.device
     rng = np.random.default_rng(0)
-    problem = Variant("f16", D, D, HQ, HK, PAGE, "none").problem
-    for batch, keys, n in CASES if args.device != "local-task" else CPU_CASES:
-        pages = keys // PAGE
-        num_pages = batch * pages + 1
-        kc = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(np.float16)
-        vc = rng.standard_normal((num_pages, PAGE, HK, D), dtype=np.float32).astype(np.float16)
-        bt = rng.permutation(num_pages)[: batch * pages].reshape(batch, pages).astype(np.int32)
-        sk = np.full(batch, keys, np.int32)
-        q = rng.standard_normal((batch, 1, HQ, D), dtype=np.float32).astype(np.float16)
-        call = KernelCall(
-            rows=1,
-            q_itemsize=2,
-            nhead_q=HQ,
-            block_table=bt,
-            page=PAGE,
-            seqlen_q=np.ones(batch, np.int32),
-            seqlen_k=sk,
-            kv_shift=np.zeros(batch, np.int32),
-            scale=1 / math.sqrt(D),
-            softcap=0.0,
-            scale_o=1.0,
-            scale_p=1.0,
-            mask=MaskSpec(),
-            alibi_slopes=None,
-            bias=None,
-            sinks=None,
-        )
-        static = online_variant(problem, 128, 1, merge_splits=n)
+    for batch, keys, n in CASES:
+        q, kc, vc, bt, sk, call = decode_case(rng, batch, keys)
+        static = online_variant(PROBLEM, 128, 1, merge_splits=n)
         (step,) = kernel_steps(static, split_kv(call, n, merged=True))
         host = [step.q(q), kc, vc, *step.args]
         dargs = [rt.asdevicearray(dev, x) for x in host]
@@ -85,7 +53,7 @@ def main() -> int:
         ref, _ = fmha_fwd_paged_ref(q[sample], kc, vc, bt[sample], sk[sample])
         mods = {}
         # The dynamic module keeps the name of the variant it was edited from.
-        x8 = online_variant(problem, 128, 1, merge_splits=8)
+        x8 = online_variant(PROBLEM, 128, 1, merge_splits=8)
         # dyn_sm.vmfb takes its entries split-major (entry j * sequences + b).
         order = np.arange(128).reshape(128 // n, n).T.reshape(-1)
         split_major = [dargs[0], dargs[1], dargs[2], *(rt.asdevicearray(dev, a[order]) for a in host[3:7]), *dargs[7:]]
@@ -96,21 +64,13 @@ def main() -> int:
         )
         for label, path, v, a in runs:
             vm = rt.VmModule.copy_buffer(config.vm_instance, path.read_bytes())
-            mods[label] = (_Loaded(v, vm, config, spin=args.device != "local-task"), a)
+            mods[label] = (_Loaded(v, vm, config, spin=True), a)
         times = {k: [] for k in mods}
         outs = {}
         for _ in range(args.rounds):
             for label, (loaded, dargs) in mods.items():
-                loaded.invoke(list(dargs))
-                t0 = time.perf_counter()
-                calls = [
-                    loaded.enqueue(list(dargs), own_timeline=args.device == "local-task") for _ in range(args.repeat)
-                ]
-                calls[-1].wait()
-                times[label].append((time.perf_counter() - t0) * 1e3 / args.repeat)
-                for c in calls:
-                    c.wait()
-                outs[label] = calls[-1].results(1)[0].to_host()
+                outs[label] = loaded.invoke(list(dargs))[0].to_host()
+                times[label].append(device_ms(loaded, dargs, args.repeat))
         line = [f"b{batch} x {keys}, {n} splits:"]
         for label in mods:
             o = outs[label][:batch]
