@@ -26,7 +26,13 @@ from turbine_fmha.build.default_sets import (
 )
 from turbine_fmha.build.isa import isa_problems
 from turbine_fmha.kernels.append_kernel import AppendKernel
-from turbine_fmha.kernels.variants import GPU_ENTRY_TILES, GPU_PREFILL_TILES, MERGED_DECODE_TILES, Variant
+from turbine_fmha.kernels.variants import (
+    GPU_ENTRY_TILES,
+    GPU_PREFILL_TILES,
+    MERGED_DECODE_TILES,
+    Variant,
+    online_variant,
+)
 
 SMALL = [
     Variant("f16", 64, 64, 4, 2, 16, "bottom_right"),
@@ -339,6 +345,66 @@ def test_tuning_untiles_the_attention_head_dim():
     assert edited == text.replace("workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]")
     assert untile_head_dim(edited) is None  # already whole
     assert untile_head_dim("linalg.generic") is None
+
+
+def test_tuning_edits_each_attention_executable_of_a_configured_module():
+    """tune_configured applies the head-dim edit inside each executable of a
+    module stopped at its configurations, leaving other executables and the
+    host program alone; None when no executable changes."""
+    from turbine_fmha.build.tuning import tune_configured
+
+    maps = ", ".join(
+        f"affine_map<(d0, d1, d2, d3, d4) -> ({r})>"
+        for r in ("d0, d1, d3", "d0, d4, d3", "d0, d4, d2", "", "d0, d1, d4", "d0, d1, d2", "d0, d1", "d0, d1")
+    )
+
+    def attention(name):
+        return (
+            f"  hal.executable private @{name} {{\n    %r = iree_linalg_ext.online_attention <indexing_maps = [{maps}]> "
+            "{lowering_config = #iree_gpu.lowering_config<{workgroup = [1, 64, 32, 0, 0]}>} ins(\n  }\n"
+        )
+
+    # A generic's configuration after the first attention executable: an
+    # edit that crossed executables would untile it instead of the second's.
+    other = "  hal.executable private @gen {\n    {lowering_config = #iree_gpu.lowering_config<{workgroup = [1, 64, 32, 0, 0]}>}\n  }\n"
+    host = "  util.func public @main() {\n    stream.cmd.dispatch @att0::@x\n  }\n"
+    module = "module {\n" + attention("att0") + other + attention("att1") + host + "}\n"
+    tuned = tune_configured(module)
+    whole = "workgroup = [1, 64, 0, 0, 0]"
+    assert (
+        tuned
+        == "module {\n"
+        + attention("att0").replace("workgroup = [1, 64, 32, 0, 0]", whole)
+        + other
+        + attention("att1").replace("workgroup = [1, 64, 32, 0, 0]", whole)
+        + host
+        + "}\n"
+    )
+    assert tune_configured(tuned) is None
+    assert tune_configured("module {\n" + other + host + "}\n") is None
+
+
+@pytest.mark.gpu_compile
+def test_cuda_compile_falls_back_to_iree_configuration(tmp_path, monkeypatch):
+    """A CUDA kernel compiles in two halves (compiler._compile_tuned): the
+    vmfb's source locations name the variant's own .mlir, never the
+    intermediate files, and where the edited configuration does not
+    compile the kernel is built with IREE's own and says so."""
+    from turbine_fmha.build import compiler, targets, tuning
+    from turbine_fmha.kernels.custom_ops import render_variant
+
+    v = online_variant(Variant("f16", 64, 64, 4, 2, 16).problem, 8, 1)
+    mlir, cuda = render_variant(v), targets.TARGETS["cuda"]
+    _, report, _ = compiler._compile_one(mlir, v.name, tmp_path / "tuned.vmfb", cuda)
+    assert report["attention_config"].startswith("tuned")
+    blob = (tmp_path / "tuned.vmfb").read_bytes()
+    assert f"{v.name}.mlir".encode() in blob
+    assert b"configured/" not in blob and b"tuned/" not in blob
+
+    monkeypatch.setattr(tuning, "tune_configured", lambda text: text.replace("workgroup = [", "workgroup = [oops, "))
+    _, report, _ = compiler._compile_one(mlir, v.name, tmp_path / "default.vmfb", cuda)
+    assert report["attention_config"] == "IREE default (tuned configuration failed to compile)"
+    assert (tmp_path / "default.vmfb").stat().st_size > 0
 
 
 def test_append_kernel_names_roundtrip():

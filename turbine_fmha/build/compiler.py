@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -115,41 +116,53 @@ def _compile_one(
         # that compiler messages point at the .mlir kept next to the vmfb.
         source = f"{name}.mlir"
         (tmp / source).write_text(mlir)
-        dump = "files"
-        extra: list[str] = []
-        seconds = 0.0
+        dump_flag = "--iree-hal-dump-executable-files-to=files"
         attention_config = "IREE default"
         if target.kind in tuning.KINDS:
-            # Pass 1: IREE's own configurations, then the tuned attention
-            # configuration substituted in pass 2 (turbine_fmha.tuning).
-            (tmp / "edited").mkdir()
-            seconds, _ = _run_compile(
-                compilers,
-                tmp,
-                source,
-                target,
-                ["--compile-to=executable-configurations", "--iree-hal-dump-executable-configurations-to=configs"],
-                tmp / "configured.mlir",
-            )
-            extra = tuning.substitution_flags(tmp / "configs", tmp / "edited", flag_dir="edited")
-        dump_flag = f"--iree-hal-dump-executable-files-to={dump}"
-        try:
-            t, stderr = _run_compile(compilers, tmp, source, target, [*extra, dump_flag], partial)
-            if extra:
-                attention_config = f"tuned v{tuning.VERSION}: head dim untiled"
-        except RuntimeError:
-            if not extra:
-                raise
-            # The tuned configuration did not compile for this variant: keep
-            # IREE's own (slower, but a kernel).
-            t, stderr = _run_compile(compilers, tmp, source, target, [dump_flag], partial)
-            attention_config = "IREE default (tuned configuration failed to compile)"
-        seconds += t
+            seconds, stderr, attention_config = _compile_tuned(compilers, tmp, source, target, dump_flag, partial)
+        else:
+            seconds, stderr = _run_compile(compilers, tmp, source, target, [dump_flag], partial)
         report: dict = {}
         if target.kind == "rocm":
-            report = rocm_isa_report(tmp / dump, target.name)
+            report = rocm_isa_report(tmp / "files", target.name)
         elif target.kind == "cuda":
-            report = cuda_isa_report(tmp / dump)
+            report = cuda_isa_report(tmp / "files")
         if target.kind != "cpu":
             report["attention_config"] = attention_config
         return seconds, report, stderr
+
+
+def _compile_tuned(
+    compilers: _Compilers, tmp: Path, source: str, target: Target, dump_flag: str, partial: Path
+) -> tuple[float, str, str]:
+    """One compile in two halves: up to IREE's own executable
+    configurations, then on from them with the attention's edited
+    (turbine_fmha.tuning), or unedited where the edit does not compile
+    (slower, but a kernel). The configured module keeps its source
+    locations and the source's name, so the vmfb reads as a one-pass
+    compile's. Returns (seconds, stderr, the attention configuration)."""
+    configured = f"configured/{source}"
+    (tmp / "configured").mkdir()
+    seconds, _ = _run_compile(
+        compilers,
+        tmp,
+        source,
+        target,
+        ["--compile-to=executable-configurations", "--mlir-print-debuginfo"],
+        tmp / configured,
+    )
+    resume = ["--compile-from=executable-configurations", dump_flag]
+    tuned = tuning.tune_configured((tmp / configured).read_text())
+    if tuned is not None:
+        (tmp / "tuned").mkdir()
+        (tmp / "tuned" / source).write_text(tuned)
+        try:
+            t, stderr = _run_compile(compilers, tmp, f"tuned/{source}", target, resume, partial)
+            return seconds + t, stderr, f"tuned v{tuning.VERSION}: head dim untiled"
+        except RuntimeError:
+            shutil.rmtree(tmp / "files", ignore_errors=True)
+            note = "IREE default (tuned configuration failed to compile)"
+    else:
+        note = "IREE default"
+    t, stderr = _run_compile(compilers, tmp, configured, target, resume, partial)
+    return seconds + t, stderr, note

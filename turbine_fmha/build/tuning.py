@@ -7,15 +7,14 @@ dim whole roughly halved decode and prefill times on the H200, with
 identical results (docs/devlog/perf-notes.md). The remaining fields of IREE's own
 configuration are kept.
 
-Applied by compiling twice: once to the executable configurations (which
-IREE dumps), then, with the edited attention configuration substituted
-(--iree-hal-substitute-executable-configuration), to the vmfb.
+Applied between two halves of one compile: iree-compile stops at the
+executable configurations, the attention's is edited in that module's
+text, and iree-compile goes on from there to the vmfb (compiler.py).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 # Bump when the edit changes: artifacts built with another version rebuild.
 VERSION = 1
@@ -24,6 +23,9 @@ KINDS = ("cuda",)
 
 _MAP = re.compile(r"affine_map<\(([^)]*)\) -> \(([^)]*)\)>")
 _OP = re.compile(r"iree_linalg_ext\.online_attention <indexing_maps = \[(.*?)\]")
+# Where each executable of a configured module starts: an edit stays
+# within its own executable.
+_EXECUTABLE = re.compile(r"(?=^[ \t]*hal\.executable (?:private |public )?@)", re.M)
 _WG = re.compile(r"(\{lowering_config = #iree_gpu\.lowering_config<\{[^}]*?workgroup = \[)([0-9, ]+)(\])")
 
 
@@ -52,22 +54,12 @@ def untile_head_dim(configured: str) -> str | None:
     return configured[: wg.start(2)] + ", ".join(map(str, tiles)) + configured[wg.end(2) :]
 
 
-def substitution_flags(config_dir: Path, out_dir: Path, flag_dir: str | None = None) -> list[str]:
-    """Edits every dumped configured executable that holds an attention
-    dispatch; returns the iree-compile flags that substitute them. The flags
-    name the edited files under `flag_dir` (default: out_dir), which is
-    how iree-compile, from its working directory, reaches out_dir: a
-    relative name keeps the build directory's path out of the vmfb."""
-    flags = []
-    for path in sorted(Path(config_dir).glob("*.mlir")):
-        edited = untile_head_dim(path.read_text())
-        if edited is None:
-            continue
-        name = re.search(r"hal\.executable public @([\w$.]+)", edited)
-        if not name:
-            continue
-        dst = Path(out_dir) / path.name
-        dst.write_text(edited)
-        shown = Path(flag_dir) / path.name if flag_dir is not None else dst
-        flags.append(f"--iree-hal-substitute-executable-configuration={name.group(1)}={shown}")
-    return flags
+def tune_configured(module: str) -> str | None:
+    """A module stopped at its executable configurations
+    (`--compile-to=executable-configurations`) with untile_head_dim applied
+    to each executable, or None if none changed."""
+    parts = _EXECUTABLE.split(module)
+    edited = [untile_head_dim(part) for part in parts]
+    if all(e is None for e in edited):
+        return None
+    return "".join(part if e is None else e for part, e in zip(parts, edited))
