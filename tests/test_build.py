@@ -210,6 +210,29 @@ def test_compile_error_fails_build(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.vmfb"))
 
 
+def test_compiles_that_fill_the_cores_run_single_threaded(tmp_path, monkeypatch):
+    """A build whose parallel compiles fill the cores runs each compiler
+    single threaded (its pass threads would only contend with the other
+    compiles); a lone compile, such as a variant built on first use, keeps
+    its threads. The artifacts are the same either way."""
+    from turbine_fmha.build import compiler
+
+    commands = []
+    run = compiler._Compilers.run
+    monkeypatch.setattr(compiler._Compilers, "run", lambda self, cmd, cwd: commands.append(cmd) or run(self, cmd, cwd))
+    monkeypatch.setattr(tfb.os, "cpu_count", lambda: 2)
+    tfb.build(tmp_path / "parallel", ["host"], SMALL, jobs=2)
+    assert len(commands) == 2 and all("--mlir-disable-threading" in c for c in commands)
+    commands.clear()
+    tfb.build(tmp_path / "alone", ["host"], SMALL[:1], jobs=2)
+    assert len(commands) == 1 and "--mlir-disable-threading" not in commands[0]
+    shas = [
+        {a["variant"]: a["sha256"] for a in json.loads((tmp_path / d / "manifest.json").read_text())["artifacts"]}
+        for d in ("parallel", "alone")
+    ]
+    assert shas[1][SMALL[0].name] == shas[0][SMALL[0].name]
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize("target", ["gfx942", "gfx90a", "gfx950", "cuda"])
 def test_gpu_default_set_compiles(target):

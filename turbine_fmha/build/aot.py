@@ -234,10 +234,11 @@ def build(
     require_build_extra()
     # Absolute: iree-compile runs in a temporary directory (reproducible
     # builds), so a relative output path would point there.
-    builder = _Builder(Path(out).absolute(), force)
     plan = _build_plan(targets, variants)
+    jobs = jobs or os.cpu_count() or 1
+    builder = _Builder(Path(out).absolute(), force, parallel=min(jobs, len(plan)))
     builder.render(v for v, _ in plan)
-    results = _run_all(builder, plan, jobs or os.cpu_count() or 1, progress)
+    results = _run_all(builder, plan, jobs, progress)
     failed = [r for r in results if r.error]
     if failed:
         msg = "\n\n".join(f"{r.target}/{r.variant}:\n{r.error}" for r in failed)
@@ -267,12 +268,14 @@ class _Builder:
     """Builds one (variant, target) at a time, from any thread, recording
     each finished artifact in the manifest as it completes."""
 
-    def __init__(self, out: Path, force: bool):
+    def __init__(self, out: Path, force: bool, parallel: int = 1):
         self.out, self.force = out, force
         self.version = compiler_version()
         self.by_key = {(a["target"], a["variant"]): a for a in load_manifest(out)["artifacts"]}
         self.rendered: dict[Variant, str] = {}
-        self.compilers = _Compilers()
+        # `parallel` compiles at once: at a core each or more, each
+        # compile runs single threaded.
+        self.compilers = _Compilers(threaded=parallel < (os.cpu_count() or 1))
 
     def render(self, variants) -> None:
         from ..kernels.custom_ops import render_variant
