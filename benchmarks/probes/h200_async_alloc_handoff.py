@@ -30,6 +30,7 @@ Each row runs under a watchdog: a hang prints the stacks and exits
 (faulthandler), so the command's other rows still report.
 
     TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS=1 python3 benchmarks/probes/h200_async_alloc_handoff.py --artifacts artifacts-cuda
+    python3 benchmarks/probes/h200_async_alloc_handoff.py --artifacts artifacts-cuda  # the control: plain allocations
 """
 
 from __future__ import annotations
