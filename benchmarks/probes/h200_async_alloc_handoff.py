@@ -48,10 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import iree.runtime as rt
 import torch
-from h200_async_handoff import _median_ms, _problem, _wait_value_fn, torch_gather_sdpa
+from h200_async_handoff import _median_ms, _wait_value_fn, planned_decode, torch_gather_sdpa
 
 import turbine_fmha
-from turbine_fmha.core.arrays import _Results
 
 WATCHDOG_S = 90
 
@@ -74,33 +73,12 @@ def main() -> int:
     wait_value, how = _wait_value_fn()
     record("wait_value_api", how)
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
-    q, k, v, bt, sk = _problem("cuda")
-    attn = turbine_fmha.PagedAttention(session).plan(
-        bt,
-        sk,
-        num_pages=k.shape[0],
-        page_block_size=16,
-        nhead_q=32,
-        nhead_k=8,
-        hdim=128,
-        dtype="f16",
-        kv_rows_finite=True,
-    )
+    d = planned_decode(session)
+    q, k, v, bt, attn, loaded, call_args = d.q, d.k, d.v, d.bt, d.attn, d.loaded, d.call_args
     reference = attn.run(q, k, v).clone()
-    plan = attn._plan
-    variant = plan._variant(True)
-    record("variant", variant.name)
-    results = _Results(session, q)
-    steps = plan._device_steps(variant, results)
-    record("steps", len(steps))
-    loaded = session._load(variant)
-    _, kcc, vcc, _ = plan._arrays(q, k, v, None)
-    kc, vc = (session.kernel_cache(c, False, plan._imports) for c in (kcc, vcc))
+    record("variant", d.variant.name)
+    record("steps", d.steps)
     device = session.device_of()
-
-    def call_args(qq):
-        qb = plan._batch_q(qq, results)
-        return [session.import_torch(steps[0].q(qb)), kc, vc, *steps[0].args]
 
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     record("A_run_ms", round(_median_ms(lambda n: [attn.run(q, k, v) for _ in range(n)], args.calls), 4))

@@ -88,6 +88,48 @@ def _problem(device, batch=32, keys=4096, hq=32, hk=8, d=128, page=16, seed=0):
     return q, k, v, bt, sk
 
 
+def planned_decode(session):
+    """The b32 x 4096 decode planned once on `session` (kv_rows_finite),
+    with what the probes call its kernel with: `loaded` (the variant's
+    module) and `call_args(q)` (its arguments for a q)."""
+    import types
+
+    q, k, v, bt, sk = _problem("cuda")
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt,
+        sk,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=32,
+        nhead_k=8,
+        hdim=128,
+        dtype="f16",
+        kv_rows_finite=True,
+    )
+    plan = attn._plan
+    variant = plan._variant(True)
+    results = _Results(session, q)
+    steps = plan._device_steps(variant, results)
+    _, kcc, vcc, _ = plan._arrays(q, k, v, None)
+    kc, vc = (session.kernel_cache(c, False, plan._imports) for c in (kcc, vcc))
+
+    def call_args(qq):
+        qb = plan._batch_q(qq, results)
+        return [session.import_torch(steps[0].q(qb)), kc, vc, *steps[0].args]
+
+    return types.SimpleNamespace(
+        q=q,
+        k=k,
+        v=v,
+        bt=bt,
+        attn=attn,
+        variant=variant,
+        steps=len(steps),
+        loaded=session._load(variant),
+        call_args=call_args,
+    )
+
+
 def _median_ms(fn, n: int, rounds: int = 5) -> float:
     fn(n)  # warm up
     torch.cuda.synchronize()
@@ -115,32 +157,11 @@ def main() -> int:
     wait_value, how = _wait_value_fn()
     record("wait_value_api", how)
     session = turbine_fmha.Session("cuda", artifact_dir=args.artifacts)
-    q, k, v, bt, sk = _problem("cuda")
-    attn = turbine_fmha.PagedAttention(session).plan(
-        bt,
-        sk,
-        num_pages=k.shape[0],
-        page_block_size=16,
-        nhead_q=32,
-        nhead_k=8,
-        hdim=128,
-        dtype="f16",
-        kv_rows_finite=True,
-    )
+    d = planned_decode(session)
+    q, k, v, bt, attn, loaded, call_args = d.q, d.k, d.v, d.bt, d.attn, d.loaded, d.call_args
     attn.run(q, k, v)
-    plan = attn._plan
-    variant = plan._variant(True)
-    record("variant", variant.name)
-    results = _Results(session, q)
-    steps = plan._device_steps(variant, results)
-    record("steps", len(steps))
-    loaded = session._load(variant)
-    _, kcc, vcc, _ = plan._arrays(q, k, v, None)
-    kc, vc = (session.kernel_cache(c, False, plan._imports) for c in (kcc, vcc))
-
-    def call_args(qq):
-        qb = plan._batch_q(qq, results)
-        return [session.import_torch(steps[0].q(qb)), kc, vc, *steps[0].args]
+    record("variant", d.variant.name)
+    record("steps", d.steps)
 
     # A: run() as called.
     def run_a(n):
