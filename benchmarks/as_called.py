@@ -33,10 +33,12 @@ Columns (all milliseconds per call unless said):
                torch's; a row fails above 5e-3 (f16) or 2e-2 (bf16)
 
 Shapes: fp16, GQA 32/8, head dim 128, page 16 unless the spec says more.
---shape SPEC (repeatable) replaces the defaults: KIND:BxN[+C][:HQ/HK][:HND]
+--shape SPEC (repeatable) replaces the defaults: KIND:BxN[+C][:HQ/HK][:HND][:W<left>]
 with KIND decode (B sequences, N keys), prefill (B sequences of N rows,
 causal) or chunked (B sequences of N new rows over C cached keys: N + C
-keys, bottom-right causal).
+keys, bottom-right causal); W<left> adds a sliding window of that left
+side (window_size_left; torch gets the same boolean mask), also to a
+decode.
 
 --hf adds a Hugging Face Llama-shaped model step: a random model from a
 LlamaConfig (nothing downloaded), HF "sdpa" with DynamicCache against
@@ -114,6 +116,7 @@ class Shape:
     hq: int = 32
     hk: int = 8
     layout: str = "NHD"
+    window: int = -1  # a sliding window's left side (window_size_left), -1: none
 
     @property
     def seqlen_q(self) -> int:
@@ -125,7 +128,7 @@ class Shape:
 
     @property
     def causal(self) -> bool:
-        return self.kind != "decode"
+        return self.kind != "decode" or self.window >= 0
 
     @property
     def label(self) -> str:
@@ -137,6 +140,7 @@ class Shape:
             s = f"chunked prefill {self.batch} x {self.rows} over {self.cached}"
         if (self.hq, self.hk) != (32, 8):
             s += f", {self.hq}/{self.hk}"
+        s += f", window {self.window}" if self.window >= 0 else ""
         return s + (f", {self.layout}" if self.layout != "NHD" else "")
 
 
@@ -154,8 +158,10 @@ def parse_shape(spec: str) -> Shape:
             kw["hq"], kw["hk"] = map(int, p.split("/"))
         elif p.upper() in ("NHD", "HND"):
             kw["layout"] = p.upper()
+        elif re.fullmatch(r"W\d+", p):
+            kw["window"] = int(p[1:])
         else:
-            raise ValueError(f"shape {spec!r}: cannot read {p!r} (KIND:BxN[+C][:HQ/HK][:HND])")
+            raise ValueError(f"shape {spec!r}: cannot read {p!r} (KIND:BxN[+C][:HQ/HK][:HND][:W<left>])")
     if "batch" not in kw:
         raise ValueError(f"shape {spec!r}: no BxN part")
     if (kind == "chunked") != (kw["cached"] > 0):
@@ -163,11 +169,12 @@ def parse_shape(spec: str) -> Shape:
     return Shape(kind, **kw)
 
 
-def visible_elements(sq: int, sk: int, causal: bool) -> int:
+def visible_elements(sq: int, sk: int, causal: bool, window: int = -1) -> int:
     if not causal:
         return sq * sk
-    shift = sk - sq  # bottom-right: row i sees keys [0, i + shift]
-    return sum(max(0, min(sk, i + shift + 1)) for i in range(sq))
+    shift = sk - sq  # bottom-right: row i sees keys [i + shift - window, i + shift]
+    lo = (lambda i: 0) if window < 0 else (lambda i: max(0, i + shift - window))
+    return sum(max(0, min(sk, i + shift + 1) - lo(i)) for i in range(sq))
 
 
 # -- arrays ---------------------------------------------------------------------
@@ -270,7 +277,7 @@ def mask_kwargs(shape: Shape) -> dict:
     # Causal = bottom-right (flash-attn's causal=True): with as many rows as
     # keys it is also top-left.
     return (
-        dict(mask_type="bottom_right", window_size_left=-1, window_size_right=0)
+        dict(mask_type="bottom_right", window_size_left=shape.window, window_size_right=0)
         if shape.causal
         else dict(mask_type="none")
     )
@@ -292,9 +299,11 @@ class TorchSide:
         self.flat = torch.from_numpy(case.bt_np.reshape(-1).astype(np.int64)).to(self.dev)  # once, as a service would
         self.group = sh.hq // sh.hk
         sq, sk = sh.seqlen_q, sh.seqlen_k
-        self.is_causal = sh.causal and sq == sk
+        self.is_causal = sh.causal and sq == sk and sh.window < 0
         self.bias, self.mask_kind = None, "is_causal" if self.is_causal else "none"
-        if sh.causal and sq != sk:
+        if sh.window >= 0:  # no torch mask object for a window: a boolean one
+            self.bias, self.mask_kind = self.bool_mask(), "bool"
+        elif sh.causal and sq != sk:
             try:
                 from torch.nn.attention.bias import causal_lower_right
 
@@ -307,7 +316,8 @@ class TorchSide:
         sq, sk = sh.seqlen_q, sh.seqlen_k
         i = self.torch.arange(sq, device=self.dev)[:, None]
         j = self.torch.arange(sk, device=self.dev)[None, :]
-        return j <= i + (sk - sq)
+        visible = j <= i + (sk - sq)
+        return visible & (j >= i + (sk - sq) - sh.window) if sh.window >= 0 else visible
 
     def gathered(self, cache):
         """[batch, nhead_k, keys, dim] from the pages of the block table."""
@@ -547,9 +557,10 @@ def bench_row(session, case: Case, args) -> dict:
     ours_err = max(errs[n] for n in ("run_finite", "run_default", "one_shot", "device"))
     b, sq, sk = sh.batch, sh.seqlen_q, sh.seqlen_k
     if sh.kind == "decode":
-        unit, work = "GB/s", b * sk * sh.hk * 2 * D * numpy_dtype(case.dtype).itemsize / 1e9
+        used = sk if sh.window < 0 else min(sk, sh.window + 1)
+        unit, work = "GB/s", b * used * sh.hk * 2 * D * numpy_dtype(case.dtype).itemsize / 1e9
     else:
-        unit, work = "TFLOP/s", 4.0 * b * sh.hq * D * visible_elements(sq, sk, True) / 1e12
+        unit, work = "TFLOP/s", 4.0 * b * sh.hq * D * visible_elements(sq, sk, True, sh.window) / 1e12
     row = dict(
         name=sh.label,
         kind=sh.kind,
@@ -1057,7 +1068,7 @@ def main() -> int:
         action="append",
         default=None,
         metavar="SPEC",
-        help="a row, KIND:BxN[+C][:HQ/HK][:HND] (repeatable; replaces the defaults)",
+        help="a row, KIND:BxN[+C][:HQ/HK][:HND][:W<left>] (repeatable; replaces the defaults)",
     )
     ap.add_argument("--arrays", default=None, help="cpu: comma list of numpy,torch (default both); cuda: torch")
     ap.add_argument("--dtype", choices=sorted(BOUND), default="f16")

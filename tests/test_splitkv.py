@@ -16,7 +16,14 @@ from test_modes import _check, _gappy_table, _pool
 
 import turbine_fmha
 from turbine_fmha.calls.mask import MaskSpec
-from turbine_fmha.calls.plan import MASKED_CHUNK_ROWS, KernelCall, decode_splits, kernel_steps, num_splits_heuristic
+from turbine_fmha.calls.plan import (
+    MASKED_CHUNK_ROWS,
+    KernelCall,
+    decode_splits,
+    kernel_steps,
+    num_splits_heuristic,
+    window_cut,
+)
 from turbine_fmha.kernels.variants import MERGE_SPLITS, MMA_ROWS, Variant, online_variant
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -188,6 +195,123 @@ def test_causal_chunks_skip_masked_pages():
     assert widths == [step * (i + 1) for i in range(sq // MASKED_CHUNK_ROWS)]
     c.mask = MaskSpec("bottom_right", -1, -1)  # no right edge: nothing to skip
     assert [st.args[0].shape[1] for st in kernel_steps(v, c)] == [32]
+
+
+def _call(block_table, seqlen_q, seqlen_k, kv_shift, mask, rows=None):
+    batch = block_table.shape[0]
+    return KernelCall(
+        rows=rows or int(max(seqlen_q)),
+        q_itemsize=2,
+        nhead_q=4,
+        block_table=np.asarray(block_table, np.int32),
+        page=16,
+        seqlen_q=np.array(seqlen_q, np.int32),
+        seqlen_k=np.array(seqlen_k, np.int32),
+        kv_shift=np.array(kv_shift, np.int32),
+        scale=1.0,
+        softcap=0.0,
+        scale_o=1.0,
+        scale_p=1.0,
+        mask=mask,
+        alibi_slopes=None,
+        bias=np.zeros((batch, 4, rows or int(max(seqlen_q)), block_table.shape[1] * 16), np.float32)
+        if mask is None
+        else None,
+        sinks=None,
+    )
+
+
+def test_window_chunks_skip_pages_before_the_window():
+    """The plan: with a sliding window (a left mask edge, no sink tokens),
+    each chunk's table also starts at the first page its first row can see,
+    its kv_shift moved back by as many rows (keys keep their positions):
+    the pages before the window are never read. Sink tokens keep them."""
+    v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right")
+    sq = sk = 512
+    left = 100
+    c = _call(np.arange(32)[None], [sq], [sk], [0], MaskSpec("bottom_right", left, 0))
+    steps = kernel_steps(v, c)
+    assert len(steps) == sq // MASKED_CHUNK_ROWS
+    for st in steps:
+        table, shift = st.args[0], st.args[3]
+        first, last = max(0, st.s - left) // 16, -(-st.e // 16)
+        assert table.tolist() == [list(range(first, last))]
+        assert shift.tolist() == [-16 * first]
+        assert st.width == last - first <= -(-(left + MASKED_CHUNK_ROWS) // 16) + 1
+    # A window with no right edge is chunked and cut the same way.
+    c.mask = MaskSpec("top_left", left, -1)
+    assert [st.args[0][0, 0] for st in kernel_steps(v, c)] == [max(0, s - left) // 16 for s in range(0, sq, 64)]
+    c.mask = MaskSpec("bottom_right", left, 0, sink=4)
+    assert all(st.args[0][0, 0] == 0 and st.args[3][0] == 0 for st in kernel_steps(v, c))
+
+
+def test_window_cut_reads_each_sequence_window(rng):
+    """window_cut: a ragged batch of windowed decodes (gappy, one sequence
+    without keys) reads each sequence's window only, its table row starting
+    at the window's first page and padded with that page, its kv_shift
+    moved back to keep key positions; the table is as wide as the widest
+    window. Without a left edge, with sink tokens or with a bias it is the
+    call unchanged."""
+    page, left = 16, 256
+    lens, shifts = np.array([4000, 100, 2050, 0]), np.array([0, 3, 21, 0])
+    width = int(-(-(lens + shifts).max() // page)) + 2
+    bt = rng.permutation(4 * width).reshape(4, width)
+    c = _call(bt, [1] * 4, lens, shifts, MaskSpec("bottom_right", left, 0))
+    cut = window_cut(c)
+    firsts = []
+    for b in range(4):
+        first = max(0, lens[b] - 1 - left + shifts[b]) // page if lens[b] else 0
+        last = max(1, -(-(lens[b] + shifts[b]) // page))
+        row = cut.block_table[b]
+        assert row[: last - first].tolist() == bt[b, first:last].tolist()
+        assert (row[last - first :] == bt[b, first]).all()
+        assert cut.kv_shift[b] == shifts[b] - page * first
+        firsts.append((first, last))
+    assert firsts[0][0] > 200 and firsts[2][0] > 100
+    assert cut.block_table.shape[1] == max(e - f for f, e in firsts) <= -(-(left + 1) // page) + 1
+    for mask in (MaskSpec("bottom_right", -1, 0), MaskSpec("bottom_right", left, 0, sink=2)):
+        plain = _call(bt, [1] * 4, lens, shifts, mask)
+        assert window_cut(plain) is plain
+    biased = _call(bt, [1] * 4, lens, shifts, None)
+    biased.mask = MaskSpec("bottom_right", left, 0)
+    assert window_cut(biased) is biased
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online"])
+@pytest.mark.parametrize("feature", ["plain", "alibi", "bias", "splits"])
+def test_sliding_window_past_many_pages(sessions, rng, formulation, feature):
+    """A sliding window that has left many pages behind (gappy KV, garbage
+    in unused table slots, NaN in the spare pages), as a prefill over a
+    longer cache and as a ragged batch of decodes, with ALiBi (absolute
+    positions), a bias (its columns cut with the table) or split-KV (the
+    window split, not the sequence): as the reference computes it over
+    every key. The tolerances are conftest's (split-KV's extra rounding
+    fits them: see the module docstring)."""
+    for sq, extra in ((int(rng.integers(70, 140)), (200, 400)), (1, (20, 700))):
+        lens = [sq + int(rng.integers(*extra)) for _ in range(3)]
+        q, k, v, table, offsets = _gappy_problem(rng, "f32", sq, lens, max_offset=40)
+        kw = dict(mask_type="bottom_right", window_size_left=int(rng.integers(20, 90)), window_size_right=0)
+        if feature == "alibi":
+            kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (3, 8)).astype(np.float32)
+        elif feature == "bias":
+            kw["bias"] = rng.standard_normal((3, 8, sq, max(lens))).astype(np.float32)
+        elif feature == "splits" and sq == 1:
+            kw["num_splits"] = 3
+        sk = np.array(lens, np.int32)
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q,
+            k,
+            v,
+            table,
+            sk,
+            kv_offset=np.array(offsets, np.int32),
+            return_lse=True,
+            session=sessions[formulation],
+            **kw,
+        )
+        kw.pop("num_splits", None)
+        ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, sk, kv_offset=offsets, **kw)
+        _check(out, lse, ref, ref_lse, "f32")
 
 
 def test_online_decode_pads_the_group_and_splits(rng):

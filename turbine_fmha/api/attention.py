@@ -31,6 +31,7 @@ from ..calls.plan import (
     rows_sum,
     split_kv,
     stale_rows,
+    window_cut,
 )
 from ..calls.problem import Problem, layout_of_params, problem, scores, tables
 from ..core.arrays import (
@@ -236,11 +237,12 @@ class _Plan:
             bias=bias,
             sinks=s.sinks,
         )
-        self.stale = stale_rows(bt, call.seqlen_k, call.kv_shift, lay.page_block_size)
+        call = window_cut(call)
+        self.stale = stale_rows(call.block_table, call.seqlen_k, call.kv_shift, lay.page_block_size)
         # merge: the split count that a variant merges in the module (0: the
         # partials are merged here, combine_splits).
         self.splits, self.merge = self._split_count(call)
-        self.splits = min(self.splits, bt.shape[1])
+        self.splits = min(self.splits, call.block_table.shape[1])
         self.merge = self.merge if self.merge == self.splits else 0
         self.call = split_kv(call, self.splits, self.merge > 1) if self.splits > 1 else call
         self.key = self._key(self.splits, bias_shape_of(self.call.bias), self.merge > 1)
@@ -295,7 +297,8 @@ class _Plan:
 
     def _split_count(self, call: KernelCall) -> tuple[int, int]:
         """(splits, the count a decode variant could merge in the module or 0)."""
-        lay, keys = self.p.layout, int(call.seqlen_k.max())
+        # The keys its table reads: a window's (window_cut), not the sequence's.
+        lay, keys = self.p.layout, min(int(call.seqlen_k.max()), call.block_table.shape[1] * call.page)
         # A split call's bias has a batch axis (split_kv).
         split_shape = "b" + bias_shape_of(call.bias)[1:] if call.bias is not None else ""
         split_key = self._key(2, split_shape)

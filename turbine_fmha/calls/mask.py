@@ -57,6 +57,12 @@ class MaskSpec:
     def has_right_edge(self) -> bool:
         return self.type != "none" and self.right >= 0
 
+    @property
+    def has_left_edge(self) -> bool:
+        """A left window side and no sink tokens: keys before the window of
+        a row's first query are never visible (sink tokens would be)."""
+        return self.type != "none" and self.left >= 0 and not self.sink
+
     def shift(self, seqlen_q, seqlen_k):
         return seqlen_k - seqlen_q if self.type == "bottom_right" else 0 * seqlen_k
 
@@ -67,6 +73,15 @@ class MaskSpec:
         if not self.has_right_edge:
             return sk
         return np.clip(row_end + self.shift(sq, sk) + self.right, 0, sk)
+
+    def first_key_visible(self, row_start: int, seqlen_q: np.ndarray, seqlen_k: np.ndarray) -> np.ndarray:
+        """Per sequence, the first key that rows from `row_start` on can see
+        (lo of that row; lo grows with the row), in [0, seqlen_k]. Only for
+        masks with a left edge: otherwise key 0 (or a sink token) is."""
+        sq, sk = seqlen_q.astype(np.int64), seqlen_k.astype(np.int64)
+        if not self.has_left_edge:
+            return 0 * sk
+        return np.clip(row_start + self.shift(sq, sk) - self.left, 0, sk)
 
     def decode_needs_mask(self, alibi: bool) -> bool:
         """Whether one-row (decode) queries need the mask: a bottom-right

@@ -24,7 +24,11 @@ SCORE_BYTES_BUDGET = 256 << 20
 # also chunked this finely, and each chunk's block table is cut after the
 # last page its rows can see: the fully masked blocks past the diagonal are
 # never computed (ck_tile skips them the same way). The size is measured
-# (docs/devlog/perf-notes.md, "Masked-block skipping").
+# (docs/devlog/perf-notes.md, "Masked-block skipping"). With a left edge (a
+# sliding window without sink tokens), every call's table also starts at
+# the first page its rows can see, its kv_shift moved back by as many rows
+# so that keys keep their positions: a window costs in proportion to its
+# width, not to the sequence.
 MASKED_CHUNK_ROWS = 64
 # Split-KV: a split covers at least this many keys.
 MIN_KEYS_PER_SPLIT = 512
@@ -145,25 +149,26 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
         if order is not None:
             pad = lambda a, rows=pad: rows(a)[order]
         w = _pages_needed(c, mask, b0, b1, e)
+        w0 = _first_page(c, mask, b0, b1, s, e, w)
         args = dict(
-            block_table=lambda: np.ascontiguousarray(pad(c.block_table[b0:b1])[:, :w]),
+            block_table=lambda: np.ascontiguousarray(pad(c.block_table[b0:b1])[:, w0:w]),
             seqlen_q=lambda: pad(c.seqlen_q[b0:b1]),
             seqlen_k=lambda: pad(c.seqlen_k[b0:b1]),
-            kv_shift=lambda: pad(c.kv_shift[b0:b1]),
+            kv_shift=lambda: pad((c.kv_shift[b0:b1].astype(np.int64) - w0 * c.page).astype(np.int32)),
             fparams=lambda: fparams,
             iparams=lambda: np.array([s, left, right, c.mask.sink], np.int32),
             alibi_slopes=lambda: np.ascontiguousarray(pad(c.alibi_slopes[b0:b1])),
-            bias=lambda: _bias_rows(bias, b0, b1, s, e, w * c.page, tile, pad),
+            bias=lambda: _bias_rows(bias, b0, b1, s, e, w0 * c.page, w * c.page, tile, pad),
             sinks=lambda: c.sinks,
         )
         made = [args[a]() for a in arg_order] if with_args else []
-        return Step(b0, b1, s, e, tile, made, _placer(b0 // n, b1 // n, s, e), n, w)
+        return Step(b0, b1, s, e, tile, made, _placer(b0 // n, b1 // n, s, e), n, w - w0)
 
     if variant.formulation == "explicit":
         # f32 scores plus probabilities in q's type (f16 for fp8 q).
         per_row = c.batch * c.nhead_q * nk * (4 + max(2, c.q_itemsize))
         chunk = max(1, SCORE_BYTES_BUDGET // max(1, per_row))
-        if mask.has_right_edge:
+        if mask.has_right_edge or mask.has_left_edge:
             chunk = min(chunk, MASKED_CHUNK_ROWS)
         return [step(0, c.batch, s, min(c.rows, s + chunk), None) for s in range(0, c.rows, chunk)]
     bt_t, mq = variant.batch_tile, variant.seqlen_q_tile
@@ -174,8 +179,10 @@ def kernel_steps(variant: Variant, c: KernelCall, with_args: bool = True) -> lis
     ]
 
 
-def _bias_rows(bias, b0, b1, s, e, nk, tile, pad):
-    bb = bias[:, :, s:e, :nk]
+def _bias_rows(bias, b0, b1, s, e, n0, nk, tile, pad):
+    # Bias columns are gathered rows of the full table (bias_in_table_rows):
+    # a step whose table starts n0 rows later reads them from n0.
+    bb = bias[:, :, s:e, n0:nk]
     if bias.shape[0] != 1:
         bb = pad(bb[b0:b1])
     return np.ascontiguousarray(_pad_axis(bb, 2, tile[1]) if tile else bb)
@@ -222,6 +229,55 @@ def _pages_needed(c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_end: int)
     keys = mask.keys_reachable(row_end, c.seqlen_q[b0:b1], c.seqlen_k[b0:b1])
     rows = keys + c.kv_shift[b0:b1].astype(np.int64)  # gathered rows n < rows
     return int(min(width, max(1, -(-int(rows.max()) // c.page))))
+
+
+def window_cut(c: KernelCall) -> KernelCall:
+    """The call with each sequence's table row starting at the first page
+    its rows can see (a left mask edge without sink tokens) and ending at
+    its last key's, its kv_shift moved back by as many rows so that keys
+    keep their positions: kernel_steps cuts each launch's table at the
+    columns its entries share, this cuts per sequence, so a ragged batch of
+    windowed decodes reads each one's window only, and split_kv splits the
+    window rather than the sequence. Columns past a row's last page repeat
+    its new first page, as fill_unused_slots does. The call as it is
+    without a left edge, or with a bias (its columns are laid out by
+    gathered row of the whole table: kernel_steps cuts those per launch)."""
+    if not c.mask.has_left_edge or c.bias is not None:
+        return c
+    page, width = c.page, c.block_table.shape[1]
+    shift = c.kv_shift.astype(np.int64)
+    sk = c.seqlen_k.astype(np.int64)
+    last = np.clip(-(-(shift + sk) // page), 1, width)  # columns up to the last key
+    first = np.clip((c.mask.first_key_visible(0, c.seqlen_q, c.seqlen_k) + shift) // page, 0, last - 1)
+    first = np.where(sk > 0, first, 0)
+    if not first.any():
+        return c
+    new_width = int((last - first).max())
+    cols = np.minimum(first[:, None] + np.arange(new_width)[None, :], (last - 1)[:, None])
+    bt = np.take_along_axis(c.block_table, cols, axis=1)
+    bt = np.where(first[:, None] + np.arange(new_width)[None, :] < last[:, None], bt, bt[:, :1])
+    return dataclasses.replace(
+        c, block_table=np.ascontiguousarray(bt, np.int32), kv_shift=(shift - first * page).astype(np.int32)
+    )
+
+
+def _first_page(c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_start: int, row_end: int, width: int) -> int:
+    """The first table column that query rows [row_start, row_end) of
+    entries b0:b1 can reach, in [0, width): with a left mask edge, earlier
+    pages hold no key those rows see. Entries without such rows, or whose
+    visible keys fall outside the first `width` columns, see nothing
+    whatever the table (split_kv's entries before the window, padding), so
+    they do not hold it back."""
+    if not mask.has_left_edge or b1 <= b0:
+        return 0
+    sq, sk = c.seqlen_q[b0:b1], c.seqlen_k[b0:b1]
+    shift = c.kv_shift[b0:b1].astype(np.int64)
+    lo = np.clip(mask.first_key_visible(row_start, sq, sk) + shift, 0, width * c.page)
+    hi = np.clip(mask.keys_reachable(row_end, sq, sk) + shift, 0, width * c.page)
+    active = (lo < hi) & (sq.astype(np.int64) > row_start)
+    if not active.any():
+        return 0
+    return int(min(width - 1, lo[active].min() // c.page))
 
 
 def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.ndarray:
