@@ -23,6 +23,7 @@ from turbine_fmha.calls.plan import (
     kernel_steps,
     num_splits_heuristic,
     window_cut,
+    window_keys,
 )
 from turbine_fmha.kernels.variants import MERGE_SPLITS, MMA_ROWS, Variant, online_variant
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
@@ -277,6 +278,35 @@ def test_window_cut_reads_each_sequence_window(rng):
     assert window_cut(biased) is biased
 
 
+def test_window_keys_turn_a_windowed_decode_into_its_window(rng):
+    """window_keys: a decode row under a bottom-right window sees the last
+    left + 1 keys of each sequence, so the call becomes one over just
+    those, as gappy keys (kv_shift moved on by the keys dropped, keys
+    shorter than the window kept whole); window_cut then starts each table
+    row at the window's first page. Prefill rows, top-left masks, sink
+    tokens, ALiBi and a bias leave the call as it is."""
+    left = 100
+    lens, shifts = np.array([3000, 40, 101, 0]), np.array([0, 7, 15, 0])
+    bt = rng.permutation(4 * 200).reshape(4, 200)
+    c = _call(bt, [1] * 4, lens, shifts, MaskSpec("bottom_right", left, 0))
+    w = window_keys(c)
+    assert w.seqlen_k.tolist() == [101, 40, 101, 0]
+    assert w.kv_shift.tolist() == [2899, 7, 15, 0]
+    cut = window_cut(w)
+    assert cut.block_table[0, :7].tolist() == bt[0, 181:188].tolist()  # rows 2899..2999
+    assert cut.kv_shift[0] == 2899 - 181 * 16
+    for other in (
+        _call(bt, [5] * 4, lens, shifts, MaskSpec("bottom_right", left, 0), rows=5),
+        _call(bt, [1] * 4, lens, shifts, MaskSpec("top_left", left, 0)),
+        _call(bt, [1] * 4, lens, shifts, MaskSpec("bottom_right", left, 0, sink=4)),
+        _call(bt, [1] * 4, lens, shifts, MaskSpec("bottom_right", -1, 0)),
+    ):
+        assert window_keys(other) is other
+    alibi = _call(bt, [1] * 4, lens, shifts, MaskSpec("bottom_right", left, 0))
+    alibi.alibi_slopes = np.ones((4, 4), np.float32)
+    assert window_keys(alibi) is alibi
+
+
 @pytest.mark.parametrize("formulation", ["explicit", "online"])
 @pytest.mark.parametrize("feature", ["plain", "alibi", "bias", "splits"])
 def test_sliding_window_past_many_pages(sessions, rng, formulation, feature):
@@ -312,6 +342,10 @@ def test_sliding_window_past_many_pages(sessions, rng, formulation, feature):
         kw.pop("num_splits", None)
         ref, ref_lse = fmha_fwd_paged_ref(q, k, v, table, sk, kv_offset=offsets, **kw)
         _check(out, lse, ref, ref_lse, "f32")
+        # A windowed decode runs the mask-free decode kernels over its
+        # window's keys (plan.window_keys), save with ALiBi or a bias.
+        unmasked = sq == 1 and feature in ("plain", "splits")
+        assert (sessions[formulation].last_variant.mask == "none") == unmasked
 
 
 def test_online_decode_pads_the_group_and_splits(rng):

@@ -32,6 +32,7 @@ from ..calls.plan import (
     split_kv,
     stale_rows,
     window_cut,
+    window_keys,
 )
 from ..calls.problem import Problem, layout_of_params, problem, scores, tables
 from ..core.arrays import (
@@ -209,6 +210,7 @@ class _Plan:
         self._stale_index: dict[str, list] = {}
         self._binds: dict[tuple, tuple] = {}
         self._costs: dict[tuple, tuple] = {}
+        self.window_decode = False
         if self.rows == 0 or mixed:
             return
         bt, shift = gappy_table(t, self.active, lay.page_block_size)
@@ -237,7 +239,12 @@ class _Plan:
             bias=bias,
             sinks=s.sinks,
         )
-        call = window_cut(call)
+        # A windowed decode becomes one over its window's keys, which the
+        # mask-free decode tiles serve (_key); any window then reads from
+        # the first page it sees.
+        windowed = window_keys(call)
+        self.window_decode = windowed is not call
+        call = window_cut(windowed)
         self.stale = stale_rows(call.block_table, call.seqlen_k, call.kv_shift, lay.page_block_size)
         # merge: the split count that a variant merges in the module (0: the
         # partials are merged here, combine_splits).
@@ -289,7 +296,7 @@ class _Plan:
         key = dict(p.key, bias_shape=bias_shape, sinks=p.key["sinks"] and (splits == 1 or merged))
         if (
             self.rows == 1
-            and not s.mask.decode_needs_mask(s.alibi_slopes is not None)
+            and (self.window_decode or not s.mask.decode_needs_mask(s.alibi_slopes is not None))
             and self.session.serves(dict(key, mask="none"), True)
         ):
             key["mask"] = "none"  # GPU default sets have decode tiles only without a mask

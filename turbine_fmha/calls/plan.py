@@ -231,6 +231,26 @@ def _pages_needed(c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_end: int)
     return int(min(width, max(1, -(-int(rows.max()) // c.page))))
 
 
+def window_keys(c: KernelCall) -> KernelCall:
+    """A decode (one query row) under a bottom-right mask with a left edge
+    and no sink tokens sees exactly the last left + 1 keys of each
+    sequence: the call over just those, as gappy keys (seqlen_k at most
+    left + 1, kv_shift moved on by the keys dropped). Its mask then hides
+    nothing from the row, so decode kernels without a mask (the GPU sets'
+    decode tiles) serve it, and a masked kernel computes the same. The call
+    as it is otherwise, and with ALiBi (its windowed form is keyed on
+    positions) or a bias (laid out by gathered row)."""
+    m = c.mask
+    if c.rows != 1 or m.type != "bottom_right" or not m.has_left_edge:
+        return c
+    if c.alibi_slopes is not None or c.bias is not None:
+        return c
+    sk = c.seqlen_k.astype(np.int64)
+    kept = np.minimum(sk, m.left + 1)
+    shift = c.kv_shift.astype(np.int64) + sk - kept
+    return dataclasses.replace(c, seqlen_k=kept.astype(np.int32), kv_shift=shift.astype(np.int32))
+
+
 def window_cut(c: KernelCall) -> KernelCall:
     """The call with each sequence's table row starting at the first page
     its rows can see (a left mask edge without sink tokens) and ending at
