@@ -242,15 +242,89 @@ def test_unsupported_masks_raise_before_running(explicit_session, counted):
         assert all(layer.get_seq_length() == PROMPT for layer in cache.layers)
         with pytest.raises(ValueError, match="PagedCache"):
             model(ids)  # transformers' own DynamicCache
-        # A mask function the 2D mask cannot carry (here a sliding window)
-        # is refused when the model builds its mask.
-        cfg = MistralConfig(**dict(model.config.to_dict(), sliding_window=8))
-        mistral = fmha_hf.enable(MistralForCausalLM(cfg).eval())
-        cache = fmha_hf.PagedCache(session=explicit_session)
-        with pytest.raises(NotImplementedError, match="plain causal masks only"):
-            mistral(ids, past_key_values=cache)
-        assert _untouched(cache)
     assert counted == {"plan": 1, "run": model.config.num_hidden_layers}
+
+
+def test_mask_functions_other_than_causal_windows_are_refused():
+    """The mask function registered for "turbine_fmha" takes transformers'
+    causal mask and its sliding-window causal mask, and refuses the same
+    window with anything more (an overlay the kernels would drop) or a
+    window whose function is not transformers' (checked on positions)."""
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        or_masks,
+        sliding_window_causal_mask_function,
+        sliding_window_overlay,
+    )
+
+    from turbine_fmha.integrations._hf_masks import padding_mask, sliding_window_of
+
+    assert sliding_window_of(sliding_window_causal_mask_function(8)) == 8
+    assert sliding_window_of(causal_mask_function) is None
+    kw = dict(batch_size=2, q_length=5, kv_length=5)
+    assert padding_mask(mask_function=sliding_window_causal_mask_function(3), **kw) is None
+
+    def extra(b, h, q, kv):
+        return kv != 1
+
+    for fn in (
+        and_masks(sliding_window_overlay(8), causal_mask_function, extra),
+        or_masks(sliding_window_overlay(8), causal_mask_function),
+        and_masks(causal_mask_function, sliding_window_overlay(8)),
+        and_masks(sliding_window_overlay(0), causal_mask_function),
+    ):
+        assert sliding_window_of(fn) is None
+        with pytest.raises(NotImplementedError, match="with or without a sliding window"):
+            padding_mask(mask_function=fn, **kw)
+
+
+def _windowed(kind, seed=0, window=8):
+    """A small random model whose layers see sliding windows of `window`
+    tokens: Mistral (every layer) or Qwen2 (the second layer only, so a
+    step plans one full and one windowed attention)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    base, _ = _llama(seed)
+    torch.manual_seed(seed)
+    cfg = dict(base.config.to_dict(), sliding_window=window)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**cfg))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg, use_sliding_window=window is not None, max_window_layers=1))
+        if window is not None:
+            assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    model.eval().set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("device_pool", [False, True])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_models_match_eager(explicit_session, counted, kind, padded, device_pool):
+    """Sliding-window models (a window of 8 tokens against prompts of 20
+    and 16 new tokens) generate HF eager's tokens in float32, left-padded
+    batches too, with one plan per window per step. The window matters:
+    without it eager's logits differ by far more than the tolerance."""
+    model = _windowed(kind)
+    _, ids, mask = _left_padded(seed=1)
+    if not padded:
+        ids, mask = ids[:2], None
+        ids[:] = torch.randint(0, model.config.vocab_size, ids.shape)
+    kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, **kw)
+        unwindowed = _windowed(kind, window=None)
+        unwindowed.load_state_dict(model.state_dict())
+        full = unwindowed.generate(ids, attention_mask=mask, **kw)
+        got = fmha_hf.generate(model, ids, attention_mask=mask, session=explicit_session, device_pool=device_pool, **kw)
+    assert len(set(ref.sequences[:, PROMPT:].flatten().tolist())) > 4, "degenerate model: the test would prove little"
+    np.testing.assert_array_equal(got.sequences.numpy(), ref.sequences.numpy())
+    # f32 differs from eager only in summation order (as for Llama above).
+    assert _max_logit_diff(got, ref) < 1e-3
+    assert _max_logit_diff(full, ref) > 0.1
+    windows = 1 if kind == "mistral" else 2
+    assert counted == {"plan": NEW * windows, "run": NEW * model.config.num_hidden_layers}
 
 
 def test_bad_cache_arguments():

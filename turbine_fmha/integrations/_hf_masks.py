@@ -14,6 +14,7 @@ holes) would need a mask the kernels do not take, so it is refused.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from transformers.masking_utils import causal_mask_function, flash_attention_mask
 
 NAME = "turbine_fmha"
@@ -34,19 +35,46 @@ def padding_mask(
     padding, else the 2D bool mask), checked here. The model builds its
     mask before any layer runs, so a refused mask leaves the cache as it
     was."""
-    if mask_function is not causal_mask_function:
-        # flash_attention_mask drops the mask function: an overlay (image
-        # tokens, blocks, bidirectional attention) would silently be lost.
+    # flash_attention_mask drops the mask function: an overlay (image
+    # tokens, blocks, bidirectional attention) would silently be lost. A
+    # sliding window is kept: each layer passes its own to the attention.
+    if mask_function is not causal_mask_function and sliding_window_of(mask_function) is None:
         raise NotImplementedError(
-            f"{NAME} attention takes plain causal masks only: the model builds its mask "
-            f"with another mask function ({getattr(mask_function, '__name__', '?')}: a "
-            "sliding window, chunks, bidirectional attention or an overlay)"
+            f"{NAME} attention takes causal masks, with or without a sliding window, only: the model "
+            f"builds its mask with another mask function ({getattr(mask_function, '__name__', '?')}: "
+            "chunks, bidirectional attention or an overlay)"
         )
     if attention_mask is not None:
         left_padding(attention_mask, batch_size, kv_length)
     return flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
     )
+
+
+def sliding_window_of(mask_function) -> int | None:
+    """W where `mask_function` is transformers'
+    sliding_window_causal_mask_function(W), i.e. and_masks of
+    sliding_window_overlay(W) and causal_mask_function and nothing else
+    (query i sees keys i - W < j <= i), checked on a grid of positions as
+    well; None for any other function."""
+    if getattr(mask_function, "__qualname__", None) != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not (isinstance(parts, tuple) and len(parts) == 2 and parts[1] is causal_mask_function):
+        return None
+    if getattr(parts[0], "__qualname__", None) != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    w = _closure(parts[0]).get("sliding_window")
+    if type(w) is not int or w < 1:
+        return None
+    q = torch.arange(2 * w + 3)
+    kv = q[None, :]
+    got = mask_function(0, 0, q[:, None], kv)
+    return w if torch.equal(got, (kv <= q[:, None]) & (kv > q[:, None] - w)) else None
+
+
+def _closure(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
 
 
 def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
@@ -85,13 +113,18 @@ def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
     return offsets if offsets.any() else None
 
 
-def refuse_unsupported(module, dropout, kwargs) -> None:
+def refuse_unsupported(module, dropout, kwargs) -> int | None:
     """Raises NotImplementedError for whatever else would make the kernels
-    compute something other than the model asks for."""
+    compute something other than the model asks for; returns the layer's
+    sliding window (None: none)."""
     if dropout:
         raise NotImplementedError(f"{NAME} attention is inference only: got dropout={dropout}")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{NAME} attention is causal only")
-    for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias"):
+    for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{NAME} attention does not support {name} yet")
+    window = kwargs.get("sliding_window")
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+    return window

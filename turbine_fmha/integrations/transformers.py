@@ -39,7 +39,8 @@ the new V rows' finiteness flags (above).
 Scope: torch models on the session's device (the CPU, or cuda:N for a
 cuda/hip session on GPU N), float32/float16/bfloat16, batches without padding or
 left-padded (generate's `attention_mask`; `_hf_masks`). Right padding or
-holes in the mask, a custom 4D mask or mask function, sliding windows,
+holes in the mask, a custom 4D mask or mask function (sliding windows are
+taken: a layer's `sliding_window` becomes the kernels' left window),
 soft-capping, attention sinks, dropout and non-causal attention raise
 NotImplementedError rather than give wrong tokens. Beam search
 (`reorder_cache`) and `num_return_sequences` fork sequences in the pools,
@@ -152,10 +153,10 @@ class PagedCache(Cache):
 
 
 class _Planner:
-    """What the layers share: one `PagedAttention` (every layer of a step
-    has the same tables, so the first layer plans and the others only run),
-    the session and where the pools live, the step's padding, and the
-    layers' histories (`version`)."""
+    """What the layers share: one `PagedAttention` per sliding window (every
+    layer of a step has the same tables, so the first layer of each window
+    plans and the others only run), the session and where the pools live,
+    the step's padding, and the layers' histories (`version`)."""
 
     # Transitions remembered (about one per step): past this the table
     # starts over, and a layer then gets a new version (its step plans once
@@ -164,7 +165,9 @@ class _Planner:
 
     def __init__(self, session, device_pool: bool):
         self._session, self.device_pool = session, device_pool
-        self.attn = self.key = self._mask = self._offsets = self._dims = None
+        self.attn = self._mask = self._offsets = self._dims = None
+        self._windowed: dict[int, PagedAttention] = {}
+        self._keys: dict = {}  # sliding window (None: none) -> the key its plan was made for
         self.layers: list = []  # weak references to the cache's layers
         self._ids = itertools.count()
         self._next: dict = {}
@@ -196,7 +199,7 @@ class _Planner:
     def forget(self) -> None:
         """A cache reset: the next pools start new histories."""
         self._next.clear()
-        self.key = None
+        self._keys.clear()
 
     def attention(self) -> PagedAttention:
         if self.attn is None:  # the shared session is made on first use
@@ -214,8 +217,13 @@ class _Planner:
             self._mask, self._dims = mask, (batch, rows)
         return self._offsets
 
-    def planned(self, q, layer: PagedLayer, scale, offsets) -> PagedAttention:
+    def planned(self, q, layer: PagedLayer, scale, offsets, window=None) -> PagedAttention:
+        """The attention planned for this step's layers of sliding `window`
+        (HF's: a query sees the `window` keys up to its own; None: all of
+        them), planning it if the step's first such layer calls."""
         attn = self.attention()
+        if window is not None:
+            attn = self._windowed.get(window) or self._windowed.setdefault(window, PagedAttention(attn.session))
         pool, (kc, vc) = layer.pool, layer.caches
         key = (
             layer.version,
@@ -226,8 +234,8 @@ class _Planner:
             vc.shape,
             scale,
         )
-        if key != self.key:
-            self.key = None  # a plan that raised must not be reused
+        if key != self._keys.get(window):
+            self._keys.pop(window, None)  # a plan that raised must not be reused
             bt, sk = pool.batch(layer.seqs)
             finite = self._rows_finite(sk, layer._unattended, offsets)
             # Left padding: row b's keys are its stored rows after the
@@ -245,12 +253,12 @@ class _Planner:
                 dtype=q.dtype,
                 seqlen_q=q.shape[1],
                 mask_type="bottom_right",
-                window_size_left=-1,
+                window_size_left=-1 if window is None else window - 1,
                 window_size_right=0,
                 scale=scale,
                 kv_rows_finite=finite,
             )
-            self.key = key
+            self._keys[window] = key
         return attn
 
     def _rows_finite(self, seqlen_k, new: int, offsets) -> bool:
@@ -423,11 +431,12 @@ class PagedLayer(CacheLayerMixin):
         setattr(self.keys, _TAG, ref)
         setattr(self.values, _TAG, ref)
 
-    def attend(self, q, scale, offsets=None):
+    def attend(self, q, scale, offsets=None, window=None):
         """The attention output [batch, seqlen_q, nhead_q, hdim_v] of q
         [batch, seqlen_q, nhead_q, hdim] over the batch's sequences, less
-        each row's first offsets[b] rows (left padding)."""
-        out = self.planner.planned(q, self, scale, offsets).run(q, *self.caches)
+        each row's first offsets[b] rows (left padding), each query over
+        the `window` keys up to its own where a sliding window is given."""
+        out = self.planner.planned(q, self, scale, offsets, window).run(q, *self.caches)
         self._unattended = 0
         return out
 
@@ -527,7 +536,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             "turbine_fmha.integrations.transformers.generate)"
         )
     try:
-        refuse_unsupported(module, dropout, kwargs)
+        window = refuse_unsupported(module, dropout, kwargs)
         offsets = layer.planner.offsets(attention_mask, len(layer.seqs), layer.get_seq_length())
     except (NotImplementedError, ValueError):
         # These fail alike in every layer (layers that differ, as sliding
@@ -539,7 +548,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         scaling = query.shape[-1] ** -0.5
     # [batch, nhead_q, seqlen_q, hdim] -> [batch, seqlen_q, nhead_q, hdim]:
     # the projection's own layout, so usually already contiguous.
-    return layer.attend(query.detach().transpose(1, 2), float(scaling), offsets), None
+    return layer.attend(query.detach().transpose(1, 2), float(scaling), offsets, window), None
 
 
 register()
