@@ -279,33 +279,39 @@ def test_mask_functions_other_than_causal_windows_are_refused():
             padding_mask(mask_function=fn, **kw)
 
 
-def _windowed(kind, seed=0, window=8):
+def _windowed(kind, seed=0, window=8, softcap=5.0):
     """A small random model whose layers see sliding windows of `window`
-    tokens: Mistral (every layer) or Qwen2 (the second layer only, so a
-    step plans one full and one windowed attention)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokens: Mistral (every layer), Qwen2 (the second layer only, so a step
+    plans one full and one windowed attention) or Gemma2 (one of each, and
+    its attention logits soft-capped at `softcap`)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     base, _ = _llama(seed)
     torch.manual_seed(seed)
     cfg = dict(base.config.to_dict(), sliding_window=window)
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**cfg))
-    else:
+    elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**cfg, use_sliding_window=window is not None, max_window_layers=1))
         if window is not None:
             assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    else:
+        layers = ["sliding_attention" if window else "full_attention", "full_attention"]
+        cfg.update(sliding_window=window or 4096, query_pre_attn_scalar=64, layer_types=layers)
+        model = Gemma2ForCausalLM(Gemma2Config(**cfg, attn_logit_softcapping=softcap, final_logit_softcapping=None))
     model.eval().set_attn_implementation("eager")
     return model
 
 
 @pytest.mark.parametrize("device_pool", [False, True])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma2"])
 def test_sliding_window_models_match_eager(explicit_session, counted, kind, padded, device_pool):
     """Sliding-window models (a window of 8 tokens against prompts of 20
-    and 16 new tokens) generate HF eager's tokens in float32, left-padded
-    batches too, with one plan per window per step. The window matters:
-    without it eager's logits differ by far more than the tolerance."""
+    and 16 new tokens; Gemma2's logits soft-capped too) generate HF
+    eager's tokens in float32, left-padded batches too, with one plan per
+    set of score terms per step. The terms matter: without the window (or
+    the soft-cap) eager's logits differ by far more than the tolerance."""
     model = _windowed(kind)
     _, ids, mask = _left_padded(seed=1)
     if not padded:
@@ -314,17 +320,18 @@ def test_sliding_window_models_match_eager(explicit_session, counted, kind, padd
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, **kw)
-        unwindowed = _windowed(kind, window=None)
-        unwindowed.load_state_dict(model.state_dict())
-        full = unwindowed.generate(ids, attention_mask=mask, **kw)
+        others = [_windowed(kind, window=None)] + ([_windowed(kind, softcap=None)] if kind == "gemma2" else [])
+        for other in others:
+            other.load_state_dict(model.state_dict())
+        without = [other.generate(ids, attention_mask=mask, **kw) for other in others]
         got = fmha_hf.generate(model, ids, attention_mask=mask, session=explicit_session, device_pool=device_pool, **kw)
     assert len(set(ref.sequences[:, PROMPT:].flatten().tolist())) > 4, "degenerate model: the test would prove little"
     np.testing.assert_array_equal(got.sequences.numpy(), ref.sequences.numpy())
     # f32 differs from eager only in summation order (as for Llama above).
     assert _max_logit_diff(got, ref) < 1e-3
-    assert _max_logit_diff(full, ref) > 0.1
-    windows = 1 if kind == "mistral" else 2
-    assert counted == {"plan": NEW * windows, "run": NEW * model.config.num_hidden_layers}
+    assert all(_max_logit_diff(w, ref) > 0.1 for w in without)
+    terms = 1 if kind == "mistral" else 2
+    assert counted == {"plan": NEW * terms, "run": NEW * model.config.num_hidden_layers}
 
 
 def test_bad_cache_arguments():

@@ -113,18 +113,24 @@ def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
     return offsets if offsets.any() else None
 
 
-def refuse_unsupported(module, dropout, kwargs) -> int | None:
+def refuse_unsupported(module, dropout, kwargs) -> tuple[int | None, float | None]:
     """Raises NotImplementedError for whatever else would make the kernels
     compute something other than the model asks for; returns the layer's
-    sliding window (None: none)."""
+    score terms the kernels take: its sliding window and its logit
+    soft-cap (None: none)."""
     if dropout:
         raise NotImplementedError(f"{NAME} attention is inference only: got dropout={dropout}")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{NAME} attention is causal only")
-    for name in ("softcap", "s_aux", "sinks", "position_bias"):
+    for name in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{NAME} attention does not support {name} yet")
     window = kwargs.get("sliding_window")
     if window is not None and (type(window) is not int or window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
-    return window
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+        softcap = float(softcap)
+    return window, softcap

@@ -40,8 +40,8 @@ Scope: torch models on the session's device (the CPU, or cuda:N for a
 cuda/hip session on GPU N), float32/float16/bfloat16, batches without padding or
 left-padded (generate's `attention_mask`; `_hf_masks`). Right padding or
 holes in the mask, a custom 4D mask or mask function (sliding windows are
-taken: a layer's `sliding_window` becomes the kernels' left window),
-soft-capping, attention sinks, dropout and non-causal attention raise
+taken: a layer's `sliding_window` becomes the kernels' left window, as
+its `softcap` their logit soft-cap), attention sinks, dropout and non-causal attention raise
 NotImplementedError rather than give wrong tokens. Beam search
 (`reorder_cache`) and `num_return_sequences` fork sequences in the pools,
 sharing their pages; a device pool takes a host mirror at its first fork
@@ -153,9 +153,9 @@ class PagedCache(Cache):
 
 
 class _Planner:
-    """What the layers share: one `PagedAttention` per sliding window (every
-    layer of a step has the same tables, so the first layer of each window
-    plans and the others only run), the session and where the pools live,
+    """What the layers share: one `PagedAttention` per set of score terms
+    (sliding window, soft-cap; every layer of a step has the same tables,
+    so the first layer of each set plans and the others only run), the session and where the pools live,
     the step's padding, and the layers' histories (`version`)."""
 
     # Transitions remembered (about one per step): past this the table
@@ -166,8 +166,8 @@ class _Planner:
     def __init__(self, session, device_pool: bool):
         self._session, self.device_pool = session, device_pool
         self.attn = self._mask = self._offsets = self._dims = None
-        self._windowed: dict[int, PagedAttention] = {}
-        self._keys: dict = {}  # sliding window (None: none) -> the key its plan was made for
+        self._termed: dict[tuple, PagedAttention] = {}
+        self._keys: dict = {}  # score terms (window, softcap) -> the key its plan was made for
         self.layers: list = []  # weak references to the cache's layers
         self._ids = itertools.count()
         self._next: dict = {}
@@ -217,13 +217,15 @@ class _Planner:
             self._mask, self._dims = mask, (batch, rows)
         return self._offsets
 
-    def planned(self, q, layer: PagedLayer, scale, offsets, window=None) -> PagedAttention:
-        """The attention planned for this step's layers of sliding `window`
-        (HF's: a query sees the `window` keys up to its own; None: all of
-        them), planning it if the step's first such layer calls."""
+    def planned(self, q, layer: PagedLayer, scale, offsets, terms=(None, None)) -> PagedAttention:
+        """The attention planned for this step's layers of score `terms`:
+        (sliding window, HF's: a query sees the `window` keys up to its own;
+        logit soft-cap), None for none; planning it if the step's first such
+        layer calls."""
         attn = self.attention()
-        if window is not None:
-            attn = self._windowed.get(window) or self._windowed.setdefault(window, PagedAttention(attn.session))
+        if terms != (None, None):
+            attn = self._termed.get(terms) or self._termed.setdefault(terms, PagedAttention(attn.session))
+        window, softcap = terms
         pool, (kc, vc) = layer.pool, layer.caches
         key = (
             layer.version,
@@ -234,8 +236,8 @@ class _Planner:
             vc.shape,
             scale,
         )
-        if key != self._keys.get(window):
-            self._keys.pop(window, None)  # a plan that raised must not be reused
+        if key != self._keys.get(terms):
+            self._keys.pop(terms, None)  # a plan that raised must not be reused
             bt, sk = pool.batch(layer.seqs)
             finite = self._rows_finite(sk, layer._unattended, offsets)
             # Left padding: row b's keys are its stored rows after the
@@ -255,10 +257,11 @@ class _Planner:
                 mask_type="bottom_right",
                 window_size_left=-1 if window is None else window - 1,
                 window_size_right=0,
+                logits_soft_cap=softcap or 0.0,
                 scale=scale,
                 kv_rows_finite=finite,
             )
-            self._keys[window] = key
+            self._keys[terms] = key
         return attn
 
     def _rows_finite(self, seqlen_k, new: int, offsets) -> bool:
@@ -431,12 +434,12 @@ class PagedLayer(CacheLayerMixin):
         setattr(self.keys, _TAG, ref)
         setattr(self.values, _TAG, ref)
 
-    def attend(self, q, scale, offsets=None, window=None):
+    def attend(self, q, scale, offsets=None, terms=(None, None)):
         """The attention output [batch, seqlen_q, nhead_q, hdim_v] of q
         [batch, seqlen_q, nhead_q, hdim] over the batch's sequences, less
-        each row's first offsets[b] rows (left padding), each query over
-        the `window` keys up to its own where a sliding window is given."""
-        out = self.planner.planned(q, self, scale, offsets, window).run(q, *self.caches)
+        each row's first offsets[b] rows (left padding), with the score
+        terms (sliding window, logit soft-cap) of _Planner.planned."""
+        out = self.planner.planned(q, self, scale, offsets, terms).run(q, *self.caches)
         self._unattended = 0
         return out
 
@@ -536,7 +539,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             "turbine_fmha.integrations.transformers.generate)"
         )
     try:
-        window = refuse_unsupported(module, dropout, kwargs)
+        terms = refuse_unsupported(module, dropout, kwargs)
         offsets = layer.planner.offsets(attention_mask, len(layer.seqs), layer.get_seq_length())
     except (NotImplementedError, ValueError):
         # These fail alike in every layer (layers that differ, as sliding
@@ -548,7 +551,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         scaling = query.shape[-1] ** -0.5
     # [batch, nhead_q, seqlen_q, hdim] -> [batch, seqlen_q, nhead_q, hdim]:
     # the projection's own layout, so usually already contiguous.
-    return layer.attend(query.detach().transpose(1, 2), float(scaling), offsets, window), None
+    return layer.attend(query.detach().transpose(1, 2), float(scaling), offsets, terms), None
 
 
 register()
