@@ -38,11 +38,12 @@ the new V rows' finiteness flags (above).
 
 Scope: torch models on the session's device (the CPU, or cuda:N for a
 cuda/hip session on GPU N), float32/float16/bfloat16, batches without padding or
-left-padded (generate's `attention_mask`; `_hf_masks`). Right padding or
-holes in the mask, a custom 4D mask or mask function (sliding windows are
-taken: a layer's `sliding_window` becomes the kernels' left window, as
-its `softcap` their logit soft-cap), attention sinks, dropout and non-causal attention raise
-NotImplementedError rather than give wrong tokens. Beam search
+left-padded (generate's `attention_mask`; `_hf_masks`); a layer's
+`sliding_window` becomes the kernels' left window and its `softcap` their
+logit soft-cap. Right padding or holes in the mask, a custom 4D mask or a
+mask function other than (sliding-window) causal, attention sinks,
+dropout and non-causal attention raise NotImplementedError rather than
+give wrong tokens. Beam search
 (`reorder_cache`) and `num_return_sequences` fork sequences in the pools,
 sharing their pages; a device pool takes a host mirror at its first fork
 (copy-on-write reads the shared rows from it), and from then on each
