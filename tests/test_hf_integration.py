@@ -279,12 +279,52 @@ def test_mask_functions_other_than_causal_windows_are_refused():
             padding_mask(mask_function=fn, **kw)
 
 
-def _windowed(kind, seed=0, window=8, softcap=5.0):
+def test_bad_score_terms_are_refused_by_name():
+    """A layer's score terms (sliding window, soft-cap, sinks) are checked
+    before anything runs, each error naming its argument; sinks are read
+    back once per version of their tensor."""
+    from turbine_fmha.integrations._hf_masks import _SINKS, Terms, refuse_unsupported
+
+    module = torch.nn.Module()
+    bad = [
+        ("sliding_window", 0),
+        ("sliding_window", 2.5),
+        ("softcap", -1.0),
+        ("softcap", float("inf")),
+        ("softcap", True),
+        ("s_aux", torch.zeros(2, 3)),
+        ("s_aux", torch.zeros(4, dtype=torch.int32)),
+    ]
+    for name, value in bad:
+        with pytest.raises(ValueError, match=name):
+            refuse_unsupported(module, 0.0, {name: value})
+    sinks = torch.tensor([0.5, -1.0, 2.0])
+    terms = refuse_unsupported(module, 0.0, dict(sliding_window=8, softcap=30, s_aux=sinks))
+    assert terms == Terms(8, 30.0, np.array([0.5, -1.0, 2.0], np.float32).tobytes())
+    assert terms.plan_kwargs()["window_size_left"] == 7
+    with torch.no_grad():
+        sinks += 1  # a new version is read again
+    assert refuse_unsupported(module, 0.0, dict(s_aux=sinks)).sinks == np.float32([1.5, 0.0, 3.0]).tobytes()
+    key = id(sinks)
+    del sinks
+    assert key not in _SINKS
+
+
+def _windowed(kind, seed=0, window=8, softcap=5.0, sinks=True):
     """A small random model whose layers see sliding windows of `window`
     tokens: Mistral (every layer), Qwen2 (the second layer only, so a step
-    plans one full and one windowed attention) or Gemma2 (one of each, and
-    its attention logits soft-capped at `softcap`)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    plans one full and one windowed attention), Gemma2 (one of each, and
+    its attention logits soft-capped at `softcap`) or gpt-oss (one of each,
+    and attention sinks: per-layer logits, drawn in [0, 3] so that they
+    weigh; with `sinks` False, -1e4: none)."""
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     base, _ = _llama(seed)
     torch.manual_seed(seed)
@@ -295,23 +335,32 @@ def _windowed(kind, seed=0, window=8, softcap=5.0):
         model = Qwen2ForCausalLM(Qwen2Config(**cfg, use_sliding_window=window is not None, max_window_layers=1))
         if window is not None:
             assert model.config.layer_types == ["full_attention", "sliding_attention"]
-    else:
+    elif kind == "gemma2":
         layers = ["sliding_attention" if window else "full_attention", "full_attention"]
         cfg.update(sliding_window=window or 4096, query_pre_attn_scalar=64, layer_types=layers)
         model = Gemma2ForCausalLM(Gemma2Config(**cfg, attn_logit_softcapping=softcap, final_logit_softcapping=None))
+    else:
+        layers = ["sliding_attention" if window else "full_attention", "full_attention"]
+        cfg.update(sliding_window=window or 4096, layer_types=layers, num_local_experts=4, num_experts_per_tok=2)
+        model = GptOssForCausalLM(GptOssConfig(**cfg))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.uniform_(0, 3) if sinks else layer.self_attn.sinks.fill_(-1e4)
     model.eval().set_attn_implementation("eager")
     return model
 
 
 @pytest.mark.parametrize("device_pool", [False, True])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma2", "gpt_oss"])
 def test_sliding_window_models_match_eager(explicit_session, counted, kind, padded, device_pool):
     """Sliding-window models (a window of 8 tokens against prompts of 20
-    and 16 new tokens; Gemma2's logits soft-capped too) generate HF
-    eager's tokens in float32, left-padded batches too, with one plan per
-    set of score terms per step. The terms matter: without the window (or
-    the soft-cap) eager's logits differ by far more than the tolerance."""
+    and 16 new tokens; Gemma2's logits soft-capped too, gpt-oss with
+    attention sinks) generate HF eager's tokens in float32, left-padded
+    batches too, with one plan per set of score terms per step (gpt-oss's
+    sinks differ by layer: one per layer). The terms matter: without the
+    window (or the soft-cap, or the sinks) eager's logits differ by far
+    more than the tolerance."""
     model = _windowed(kind)
     _, ids, mask = _left_padded(seed=1)
     if not padded:
@@ -320,9 +369,12 @@ def test_sliding_window_models_match_eager(explicit_session, counted, kind, padd
     kw = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, **kw)
-        others = [_windowed(kind, window=None)] + ([_windowed(kind, softcap=None)] if kind == "gemma2" else [])
+        others = [_windowed(kind, window=None)]
+        others += [_windowed(kind, softcap=None)] if kind == "gemma2" else []
+        others += [_windowed(kind, sinks=False)] if kind == "gpt_oss" else []
         for other in others:
-            other.load_state_dict(model.state_dict())
+            kept = {n: p.clone() for n, p in other.named_parameters() if n.endswith("sinks") and p.max() < 0}
+            other.load_state_dict(dict(model.state_dict(), **kept))
         without = [other.generate(ids, attention_mask=mask, **kw) for other in others]
         got = fmha_hf.generate(model, ids, attention_mask=mask, session=explicit_session, device_pool=device_pool, **kw)
     assert len(set(ref.sequences[:, PROMPT:].flatten().tolist())) > 4, "degenerate model: the test would prove little"
@@ -330,7 +382,7 @@ def test_sliding_window_models_match_eager(explicit_session, counted, kind, padd
     # f32 differs from eager only in summation order (as for Llama above).
     assert _max_logit_diff(got, ref) < 1e-3
     assert all(_max_logit_diff(w, ref) > 0.1 for w in without)
-    terms = 1 if kind == "mistral" else 2
+    terms = 1 if kind == "mistral" else 2  # gpt-oss: 2 layers, each its own sinks
     assert counted == {"plan": NEW * terms, "run": NEW * model.config.num_hidden_layers}
 
 

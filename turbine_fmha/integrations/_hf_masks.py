@@ -13,6 +13,9 @@ holes) would need a mask the kernels do not take, so it is refused.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+
 import numpy as np
 import torch
 from transformers.masking_utils import causal_mask_function, flash_attention_mask
@@ -113,16 +116,53 @@ def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
     return offsets if offsets.any() else None
 
 
-def refuse_unsupported(module, dropout, kwargs) -> tuple[int | None, float | None]:
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """A layer's score terms that the kernels take: its sliding window (HF's
+    W: a query sees the W keys up to its own), logit soft-cap and attention
+    sinks (one logit per query head, as float32 bytes: hashable, so that
+    the layers sharing them share a plan); None for none."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bytes | None = None
+
+    def plan_kwargs(self) -> dict:
+        return dict(
+            window_size_left=-1 if self.window is None else self.window - 1,
+            logits_soft_cap=self.softcap or 0.0,
+            sinks=None if self.sinks is None else np.frombuffer(self.sinks, np.float32),
+        )
+
+
+NO_TERMS = Terms()
+
+# A layer's sinks read back once per version of the parameter (on a GPU,
+# a read is a device sync): they are weights, not per-step data. Keyed by
+# id (tensors do not hash by value), each entry dropped with its tensor.
+_SINKS: dict[int, tuple] = {}
+
+
+def _sinks_bytes(s_aux) -> bytes:
+    if not isinstance(s_aux, torch.Tensor) or s_aux.ndim != 1 or not s_aux.dtype.is_floating_point:
+        raise ValueError(f"s_aux (attention sinks) must be a 1-D float tensor, one logit per query head, got {s_aux!r}")
+    hit = _SINKS.get(id(s_aux))
+    if hit is None or hit[0]() is not s_aux or hit[1] != s_aux._version:
+        key = id(s_aux)
+        ref = weakref.ref(s_aux, lambda _, key=key: _SINKS.pop(key, None))
+        hit = _SINKS[key] = (ref, s_aux._version, s_aux.detach().to("cpu", torch.float32).numpy().tobytes())
+    return hit[2]
+
+
+def refuse_unsupported(module, dropout, kwargs) -> Terms:
     """Raises NotImplementedError for whatever else would make the kernels
     compute something other than the model asks for; returns the layer's
-    score terms the kernels take: its sliding window and its logit
-    soft-cap (None: none)."""
+    score terms that the kernels take."""
     if dropout:
         raise NotImplementedError(f"{NAME} attention is inference only: got dropout={dropout}")
     if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{NAME} attention is causal only")
-    for name in ("s_aux", "sinks", "position_bias"):
+    for name in ("sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{NAME} attention does not support {name} yet")
     window = kwargs.get("sliding_window")
@@ -133,4 +173,5 @@ def refuse_unsupported(module, dropout, kwargs) -> tuple[int | None, float | Non
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
         softcap = float(softcap)
-    return window, softcap
+    s_aux = kwargs.get("s_aux")
+    return Terms(window, softcap, None if s_aux is None else _sinks_bytes(s_aux))

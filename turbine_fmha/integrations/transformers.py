@@ -39,11 +39,12 @@ the new V rows' finiteness flags (above).
 Scope: torch models on the session's device (the CPU, or cuda:N for a
 cuda/hip session on GPU N), float32/float16/bfloat16, batches without padding or
 left-padded (generate's `attention_mask`; `_hf_masks`); a layer's
-`sliding_window` becomes the kernels' left window and its `softcap` their
-logit soft-cap. Right padding or holes in the mask, a custom 4D mask or a
-mask function other than (sliding-window) causal, attention sinks,
-dropout and non-causal attention raise NotImplementedError rather than
-give wrong tokens. Beam search
+`sliding_window` becomes the kernels' left window, its `softcap` their
+logit soft-cap and its `s_aux` their attention sinks (gpt-oss: per-layer
+weights, so such a model plans once per layer per step). Right padding
+or holes in the mask, a custom 4D mask or a mask function other than
+(sliding-window) causal, dropout and non-causal attention raise
+NotImplementedError rather than give wrong tokens. Beam search
 (`reorder_cache`) and `num_return_sequences` fork sequences in the pools,
 sharing their pages; a device pool takes a host mirror at its first fork
 (copy-on-write reads the shared rows from it), and from then on each
@@ -66,7 +67,7 @@ from ..api.attention import PagedAttention
 from ..api.cache import CacheFullError, PagedKVCache, all_values_finite
 from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
 from ..runtime.session import Session
-from ._hf_masks import NAME, left_padding, padding_mask, refuse_unsupported
+from ._hf_masks import NAME, NO_TERMS, Terms, left_padding, padding_mask, refuse_unsupported
 
 _DTYPES = {np_dtype(n) for n in ("f16", "bf16", "f32")}
 # The tensors a PagedLayer hands to the model carry a weak reference to the
@@ -155,8 +156,9 @@ class PagedCache(Cache):
 
 class _Planner:
     """What the layers share: one `PagedAttention` per set of score terms
-    (sliding window, soft-cap; every layer of a step has the same tables,
-    so the first layer of each set plans and the others only run), the session and where the pools live,
+    (`_hf_masks.Terms`: sliding window, soft-cap, sinks; every layer of a
+    step has the same tables, so the first layer of each set plans and the
+    others only run), the session and where the pools live,
     the step's padding, and the layers' histories (`version`)."""
 
     # Transitions remembered (about one per step): past this the table
@@ -167,8 +169,8 @@ class _Planner:
     def __init__(self, session, device_pool: bool):
         self._session, self.device_pool = session, device_pool
         self.attn = self._mask = self._offsets = self._dims = None
-        self._termed: dict[tuple, PagedAttention] = {}
-        self._keys: dict = {}  # score terms (window, softcap) -> the key its plan was made for
+        self._termed: dict[Terms, PagedAttention] = {}
+        self._keys: dict = {}  # score terms -> the key its plan was made for
         self.layers: list = []  # weak references to the cache's layers
         self._ids = itertools.count()
         self._next: dict = {}
@@ -218,15 +220,12 @@ class _Planner:
             self._mask, self._dims = mask, (batch, rows)
         return self._offsets
 
-    def planned(self, q, layer: PagedLayer, scale, offsets, terms=(None, None)) -> PagedAttention:
-        """The attention planned for this step's layers of score `terms`:
-        (sliding window, HF's: a query sees the `window` keys up to its own;
-        logit soft-cap), None for none; planning it if the step's first such
-        layer calls."""
+    def planned(self, q, layer: PagedLayer, scale, offsets, terms=NO_TERMS) -> PagedAttention:
+        """The attention planned for this step's layers of score `terms`,
+        planning it if the step's first such layer calls."""
         attn = self.attention()
-        if terms != (None, None):
+        if terms != NO_TERMS:
             attn = self._termed.get(terms) or self._termed.setdefault(terms, PagedAttention(attn.session))
-        window, softcap = terms
         pool, (kc, vc) = layer.pool, layer.caches
         key = (
             layer.version,
@@ -256,10 +255,9 @@ class _Planner:
                 dtype=q.dtype,
                 seqlen_q=q.shape[1],
                 mask_type="bottom_right",
-                window_size_left=-1 if window is None else window - 1,
                 window_size_right=0,
-                logits_soft_cap=softcap or 0.0,
                 scale=scale,
+                **terms.plan_kwargs(),
                 kv_rows_finite=finite,
             )
             self._keys[terms] = key
@@ -435,11 +433,11 @@ class PagedLayer(CacheLayerMixin):
         setattr(self.keys, _TAG, ref)
         setattr(self.values, _TAG, ref)
 
-    def attend(self, q, scale, offsets=None, terms=(None, None)):
+    def attend(self, q, scale, offsets=None, terms=NO_TERMS):
         """The attention output [batch, seqlen_q, nhead_q, hdim_v] of q
         [batch, seqlen_q, nhead_q, hdim] over the batch's sequences, less
-        each row's first offsets[b] rows (left padding), with the score
-        terms (sliding window, logit soft-cap) of _Planner.planned."""
+        each row's first offsets[b] rows (left padding), with the layer's
+        score `terms`."""
         out = self.planner.planned(q, self, scale, offsets, terms).run(q, *self.caches)
         self._unattended = 0
         return out
