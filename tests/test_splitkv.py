@@ -173,24 +173,7 @@ def test_causal_chunks_skip_masked_pages():
     computed."""
     v = Variant("f16", 64, 64, 4, 2, 16, "bottom_right")
     sq = sk = 512
-    c = KernelCall(
-        rows=sq,
-        q_itemsize=2,
-        nhead_q=4,
-        block_table=np.arange(32, dtype=np.int32)[None],
-        page=16,
-        seqlen_q=np.array([sq], np.int32),
-        seqlen_k=np.array([sk], np.int32),
-        kv_shift=np.zeros(1, np.int32),
-        scale=1.0,
-        softcap=0.0,
-        scale_o=1.0,
-        scale_p=1.0,
-        mask=MaskSpec("bottom_right", -1, 0),
-        alibi_slopes=None,
-        bias=None,
-        sinks=None,
-    )
+    c = _call(np.arange(32)[None], [sq], [sk], [0], MaskSpec("bottom_right", -1, 0))
     widths = [st.args[0].shape[1] for st in kernel_steps(v, c)]
     step = MASKED_CHUNK_ROWS // 16
     assert widths == [step * (i + 1) for i in range(sq // MASKED_CHUNK_ROWS)]
@@ -199,6 +182,8 @@ def test_causal_chunks_skip_masked_pages():
 
 
 def _call(block_table, seqlen_q, seqlen_k, kv_shift, mask, rows=None):
+    """A KernelCall of 4 query heads over pages of 16, for plan-level tests;
+    with mask None, a zero bias (bottom-right masks set after)."""
     batch = block_table.shape[0]
     return KernelCall(
         rows=rows or int(max(seqlen_q)),
