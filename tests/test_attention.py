@@ -97,6 +97,131 @@ def test_plan_once_run_many_layers(explicit_session, online_session, rng, formul
         np.testing.assert_array_equal(out, one)
 
 
+SINKS_CASES = {
+    "decode": dict(seqlen_q=1),
+    "decode_split": dict(seqlen_q=1, num_splits=2),
+    "prefill": dict(seqlen_q=37),
+    "group_mixed": dict(seqstart_q=[0, 3, 4, 4, 10]),  # prefills and decodes: two parts
+}
+
+
+def _rel(out, ref):
+    return np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("formulation", ["explicit", "online"])
+@pytest.mark.parametrize("case", sorted(SINKS_CASES))
+def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, formulation, case):
+    """Sinks are weights of each layer (gpt-oss): a plan made with one
+    layer's serves every layer, each run with its own (numpy or torch),
+    and a run without sinks takes the plan's. Each run's sinks move the
+    output by far more than the tolerance, so a run given the plan's
+    sinks instead would fail."""
+    session = explicit_session if formulation == "explicit" else online_session
+    c = dict(SINKS_CASES[case])
+    starts = c.pop("seqstart_q", None)
+    batch = 4 if starts else 3
+    q, k, v, bt, sk = make_problem(
+        rng,
+        dtype="f16",
+        batch=batch,
+        seqlen_q=c.pop("seqlen_q", 1),
+        seqlens_k=[40, 17, 70, 23][:batch],
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        page=16,
+    )
+    mask = dict(mask_type="bottom_right", window_size_right=0)
+    if starts:
+        starts = np.array(starts, np.int32)
+        q = rng.standard_normal((int(starts[-1]), 8, 64)).astype(np.float16)
+        mask["seqstart_q"] = starts
+    planned = rng.uniform(-2, 0, 8).astype(np.float32)
+    attn = turbine_fmha.PagedAttention(session).plan(
+        bt,
+        sk,
+        num_pages=k.shape[0],
+        page_block_size=16,
+        nhead_q=8,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        seqlen_q=q.shape[1] if q.ndim == 4 else 1,
+        sinks=planned,
+        **mask,
+        **c,
+    )
+    torch = pytest.importorskip("torch")
+    layers = [rng.uniform(1, 3, 8).astype(np.float32) for _ in range(2)]
+    for sinks in layers + [torch.from_numpy(rng.uniform(1, 3, 8).astype(np.float32)), None]:
+        out, lse = attn.run(q, k, v, return_lse=True, sinks=sinks)
+        own = planned if sinks is None else np.asarray(sinks)
+        ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=own, **mask)
+        _check(out, lse, ref, ref_lse, "f16")
+        if sinks is not None:
+            assert _rel(fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=planned, **mask)[0], ref) > 4 * OUT_TOL["f16"]
+
+
+def test_one_shot_calls_differing_in_sinks_share_a_plan(explicit_session, rng):
+    """The one-shot API keys its kept plans (plan_cache) by the sinks'
+    layout, not their values: layers with their own sinks share a plan,
+    and each call still gets its own sinks."""
+    explicit_session.plans.clear()
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=[40, 17, 70], nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
+    mask = dict(mask_type="bottom_right", window_size_right=0)
+    for _ in range(3):
+        sinks = rng.uniform(-1, 3, 8).astype(np.float32)
+        out, lse = turbine_fmha.fmha_fwd_paged(
+            q, k, v, bt, sk, sinks=sinks, return_lse=True, session=explicit_session, **mask
+        )
+        _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=sinks, **mask), "f16")
+    assert len(explicit_session.plans._plans) == 1
+
+
+def _sinks_plan(trap, rng, sinks):
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=[20, 5], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    attn = turbine_fmha.PagedAttention(trap).plan(
+        bt, sk, num_pages=k.shape[0], page_block_size=16, nhead_q=4, nhead_k=2, hdim=64, dtype="f16", sinks=sinks
+    )
+    return attn, (q, k, v)
+
+
+RUN_SINKS_BAD = {
+    "plan_without_sinks": (None, np.zeros(4, np.float32), ValueError, "plan made without sinks"),
+    "shape": (
+        np.zeros(4, np.float32),
+        np.zeros(3, np.float32),
+        ValueError,
+        r"sinks must have shape \[nhead_q\] = \[4\]",
+    ),
+    "not_finite": (
+        np.zeros(4, np.float32),
+        np.float32([0, 1, np.nan, 2]),
+        ValueError,
+        r"sinks\[2\] = nan must be finite",
+    ),
+    "integers": (np.zeros(4, np.float32), np.arange(4), TypeError, "sinks must be a float array"),
+    "meta_tensor": (np.zeros(4, np.float32), "meta", ValueError, "sinks is a torch tensor on meta"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_SINKS_BAD))
+def test_run_refuses_bad_sinks_before_anything_runs(rng, tmp_path, case):
+    planned, sinks, exc, words = RUN_SINKS_BAD[case]
+    attn, (q, k, v) = _sinks_plan(_TrapSession("cpu", artifact_dir=tmp_path), rng, planned)
+    if isinstance(sinks, str):
+        sinks = pytest.importorskip("torch").zeros(4, device=sinks)
+    out = np.full(q.shape, np.nan, np.float16)
+    with pytest.raises(exc, match=words):
+        attn.run(q, k, v, out=out, sinks=sinks)
+    assert np.isnan(out).all()
+
+
 def test_group_mode_plan(explicit_session, rng):
     lens_q = [3, 1, 0, 6]
     seqstart = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)

@@ -314,9 +314,9 @@ def _windowed(kind, seed=0, window=8, softcap=5.0, sinks=True):
     """A small random model whose layers see sliding windows of `window`
     tokens: Mistral (every layer), Qwen2 (the second layer only, so a step
     plans one full and one windowed attention), Gemma2 (one of each, and
-    its attention logits soft-capped at `softcap`) or gpt-oss (one of each,
-    and attention sinks: per-layer logits, drawn in [0, 3] so that they
-    weigh; with `sinks` False, -1e4: none)."""
+    its attention logits soft-capped at `softcap`) or gpt-oss (a sliding
+    layer, then two full ones, and attention sinks: per-layer logits, drawn
+    in [0, 3] so that they weigh; with `sinks` False, -1e4: none)."""
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
@@ -340,8 +340,9 @@ def _windowed(kind, seed=0, window=8, softcap=5.0, sinks=True):
         cfg.update(sliding_window=window or 4096, query_pre_attn_scalar=64, layer_types=layers)
         model = Gemma2ForCausalLM(Gemma2Config(**cfg, attn_logit_softcapping=softcap, final_logit_softcapping=None))
     else:
-        layers = ["sliding_attention" if window else "full_attention", "full_attention"]
+        layers = ["sliding_attention" if window else "full_attention", "full_attention", "full_attention"]
         cfg.update(sliding_window=window or 4096, layer_types=layers, num_local_experts=4, num_experts_per_tok=2)
+        cfg.update(num_hidden_layers=len(layers))
         model = GptOssForCausalLM(GptOssConfig(**cfg))
         with torch.no_grad():
             for layer in model.model.layers:
@@ -357,8 +358,8 @@ def test_sliding_window_models_match_eager(explicit_session, counted, kind, padd
     """Sliding-window models (a window of 8 tokens against prompts of 20
     and 16 new tokens; Gemma2's logits soft-capped too, gpt-oss with
     attention sinks) generate HF eager's tokens in float32, left-padded
-    batches too, with one plan per set of score terms per step (gpt-oss's
-    sinks differ by layer: one per layer). The terms matter: without the
+    batches too, with one plan per kind of score terms per step (gpt-oss's
+    two full layers share one, each run with its own sinks). The terms matter: without the
     window (or the soft-cap, or the sinks) eager's logits differ by far
     more than the tolerance."""
     model = _windowed(kind)
@@ -382,7 +383,7 @@ def test_sliding_window_models_match_eager(explicit_session, counted, kind, padd
     # f32 differs from eager only in summation order (as for Llama above).
     assert _max_logit_diff(got, ref) < 1e-3
     assert all(_max_logit_diff(w, ref) > 0.1 for w in without)
-    terms = 1 if kind == "mistral" else 2  # gpt-oss: 2 layers, each its own sinks
+    terms = 1 if kind == "mistral" else 2  # a sliding and a full plan; gpt-oss's full layers share theirs
     assert counted == {"plan": NEW * terms, "run": NEW * model.config.num_hidden_layers}
 
 

@@ -34,7 +34,7 @@ from ..calls.plan import (
     window_cut,
     window_keys,
 )
-from ..calls.problem import Problem, layout_of_params, problem, scores, tables
+from ..calls.problem import Problem, layout_of_params, problem, scores, sinks_array, tables
 from ..core.arrays import (
     LaterBool,
     _byte_range,
@@ -54,12 +54,17 @@ from ..core.arrays import (
 )
 from ..core.checks import check_int, check_out
 from ..core.tracing import check_no_grad, untraced_methods
+from ..kernels.signature import call_args
 from ..kernels.variants import ENTRY_ROWS, bias_shape_of, group_rows_for
 from ..runtime.session import Session, resolve_session
 from .conventions import conventions
 
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
+
+# Run-time sinks a plan keeps on the device: a step's layers' (gpt-oss's
+# 24-36), not a history.
+MAX_SINKS_UPLOADS = 64
 
 # V caches (device, byte range) whose stale rows a deferred check last found
 # non-finite: run() checks those before it queues anything, so a cache of
@@ -88,10 +93,14 @@ class PagedAttention:
     seqlen_q (q rows per sequence, default 1), in group mode seqstart_q. Invalid tables
     raise there, naming the argument, before anything runs.
 
-    run(q, k_cache, v_cache, out=None, return_lse=False) takes the layer's
-    arrays, which must match the plan (q [batch, seqlen_q, nhead_q, hdim] or
-    [total_q, nhead_q, hdim]; caches of the planned layout), on the
-    session's device or the host, and returns like fmha_fwd_paged. With
+    run(q, k_cache, v_cache, out=None, return_lse=False, sinks=None) takes
+    the layer's arrays, which must match the plan (q [batch, seqlen_q,
+    nhead_q, hdim] or [total_q, nhead_q, hdim]; caches of the planned
+    layout), on the session's device or the host, and returns like
+    fmha_fwd_paged. Attention sinks are weights of each layer (gpt-oss):
+    a plan made with sinks runs with the plan's, or with a run's own
+    `sinks` (float [nhead_q], finite; a host array costs no device wait
+    to check), so that every layer of a step shares one plan. With
     kv_rows_finite=None, each run checks its V cache's stale rows (a look at
     one or two pages per sequence; on torch GPU caches behind the unguarded
     kernels, which run again guarded if a row was not finite); True skips
@@ -172,10 +181,10 @@ class PagedAttention:
         self._plan = _Plan(p, self.session)
         return self
 
-    def run(self, q, k_cache, v_cache, *, out=None, return_lse: bool = False):
+    def run(self, q, k_cache, v_cache, *, out=None, return_lse: bool = False, sinks=None):
         if self._plan is None:
             raise RuntimeError("PagedAttention.run() before plan()")
-        return self._plan.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
+        return self._plan.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)
 
 
 def _memory_of(v_cache) -> tuple:
@@ -210,6 +219,7 @@ class _Plan:
         self._stale_index: dict[str, list] = {}
         self._binds: dict[tuple, tuple] = {}
         self._costs: dict[tuple, tuple] = {}
+        self._sinks_uploads: dict[tuple, object] = {}
         self.window_decode = False
         if self.rows == 0 or mixed:
             return
@@ -388,10 +398,11 @@ class _Plan:
         before anything is queued (a host-side check costs no wait)."""
         return isinstance(v_cache, _TorchDeviceCache)
 
-    def run(self, q, k_cache, v_cache, *, out=None, return_lse=False):
+    def run(self, q, k_cache, v_cache, *, out=None, return_lse=False, sinks=None):
         session = self.session
-        _check_tensor_devices(session.device_name, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
+        _check_tensor_devices(session.device_name, q=q, k_cache=k_cache, v_cache=v_cache, out=out, sinks=sinks)
         check_no_grad(dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out))
+        sinks = self._run_sinks(sinks)
         like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -428,28 +439,30 @@ class _Plan:
             results.while_queued = lambda: [f.start() for f in later]
         work = [(pt, pt._variant(f if isinstance(f, bool) else True)) for pt, f in zip(parts, finite)]
         given_out = out
-        out, lse = self._launch(work, q, kc, vc, results, out, return_lse)
+        out, lse = self._launch(work, q, kc, vc, results, out, return_lse, sinks=sinks)
         redo = [(pt, g) for pt, f, g in zip(parts, finite, fallback) if isinstance(f, LaterBool) and not f.value()]
         if redo:
             if len(_NONFINITE_SEEN) >= MAX_NONFINITE_SEEN:
                 _NONFINITE_SEEN.clear()
             _NONFINITE_SEEN[_memory_of(v_src)] = True
             if len(redo) == len(work):
-                out, lse = self._launch(redo, q, kc, vc, results, given_out, return_lse)
+                out, lse = self._launch(redo, q, kc, vc, results, given_out, return_lse, sinks=sinks)
             else:  # a mixed batch's other part was right: its rows stay
-                self._launch(redo, q, kc, vc, results, out, return_lse, lse)
+                self._launch(redo, q, kc, vc, results, out, return_lse, lse, sinks)
         if torch_results or not _is_torch(like):
             return (out, lse) if return_lse else out
         out_t = _from_numpy(out, like)
         return (out_t, _from_numpy(lse, like)) if return_lse else out_t
 
-    def _launch(self, work, q, kc, vc, results, out, return_lse, lse=None):
+    def _launch(self, work, q, kc, vc, results, out, return_lse, lse=None, sinks=None):
         """(out, lse) of the parts' kernels (`work`: (part, variant)); with
-        `lse`, the parts write into the `out` and `lse` of an earlier launch."""
+        `lse`, the parts write into the `out` and `lse` of an earlier launch;
+        `sinks`: the run's in place of the plan's (_run_sinks)."""
         steps = [pt._device_steps(v, results) for pt, v in work]
         if lse is None and out is None and len(work) == 1 and work[0][0] is self and self._direct(steps[0]):
             # One kernel call computes exactly the output: its results are it.
-            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)[0]
+            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse, sinks)
+            res = res[0]
             return res if return_lse else (res[0], None)
         axis = self._join_axis(steps[0]) if lse is None and len(work) == 1 and work[0][0] is self else None
         if axis is not None:
@@ -457,7 +470,7 @@ class _Plan:
             # is one concatenation of them (one copy, into `out` if given),
             # not an allocation, a fill and a copy per call. Row entries are
             # joined first, then rearranged by that one copy.
-            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse)
+            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse, sinks)
             pieces = [[results.as_kind(a) for a in r] for r in res]
             cut = [((st.b1 - st.b0) // st.merge, st.e - st.s) for st in steps[0]]
             xp = ops_for(pieces[0][0])
@@ -478,7 +491,7 @@ class _Plan:
         if lse is None:
             out, lse = self._allocate(q, out, results)
         for (pt, variant), st in zip(work, steps):
-            pt._compute(variant, st, q, kc, vc, results, out, lse)
+            pt._compute(variant, st, q, kc, vc, results, out, lse, sinks)
         return out, lse
 
     def _arrays(self, q, k_cache, v_cache, out):
@@ -591,13 +604,41 @@ class _Plan:
                 return axis
         return None
 
-    def _call(self, variant, steps, qb, k_cache, v_cache, results, outputs: int) -> list:
+    def _call(self, variant, steps, qb, k_cache, v_cache, results, outputs: int, sinks=None) -> list:
         """Each step's first `outputs` results; the steps are queued back
-        to back."""
+        to back, with the run's `sinks` where given."""
         as_bytes = bool(self.p.layout.kv_dtype or self.p.layout.static_quant)  # fp8 travels as i8
         align = self.session.binding_alignment(variant)
         kc, vc = (self.session.kernel_cache(c, as_bytes, self._imports, align) for c in (k_cache, v_cache))
-        return results.run(variant, [[st.q(qb), kc, vc, *st.args] for st in steps], outputs)
+        calls = [[st.q(qb), kc, vc, *st.args] for st in steps]
+        if sinks is not None and variant.sinks:
+            at = call_args(variant).index("sinks")
+            on_device = self._sinks_on(sinks, results)
+            for c in calls:
+                c[at] = on_device
+        return results.run(variant, calls, outputs)
+
+    def _run_sinks(self, sinks):
+        """A run's sinks, checked (None: the plan's)."""
+        if sinks is None:
+            return None
+        if self.p.scores.sinks is None:
+            raise ValueError(
+                "sinks given to run() of a plan made without sinks: its kernels take none; "
+                "pass sinks to plan() (any of the layers') and each run's own to run()"
+            )
+        return sinks_array(sinks, self.p.layout.nhead_q)
+
+    def _sinks_on(self, sinks: np.ndarray, results):
+        """A run's sinks as a kernel argument, uploaded once per plan and
+        values (a step's layers each bring their own)."""
+        key = (sinks.tobytes(), str(results.torch_device))
+        hit = self._sinks_uploads.get(key)
+        if hit is None:
+            if len(self._sinks_uploads) >= MAX_SINKS_UPLOADS:
+                self._sinks_uploads.clear()
+            hit = self._sinks_uploads[key] = results.upload([sinks])[0]
+        return hit
 
     def _allocate(self, q, out, results):
         lay = self.p.layout
@@ -606,7 +647,7 @@ class _Plan:
             out = results.empty(out_shape, lay.q_dtype, fill=0 if self.p.min_seqlen_q else None)
         return out, results.empty(lse_shape, np.float32, fill=-np.inf)
 
-    def _compute(self, variant, steps, q, k_cache, v_cache, results, out, lse):
+    def _compute(self, variant, steps, q, k_cache, v_cache, results, out, lse, sinks=None):
         lay, t = self.p.layout, self.p.tables
         qb = self._batch_q(q, results)
         if lay.static_quant:
@@ -627,10 +668,10 @@ class _Plan:
             dst += [results.empty((n, lay.nhead_q, r), np.float32) for _ in range(3 if split else 1)]
             if lay.static_quant:
                 dst[0] = dst[0].view(np.int8)
-        for st, res in zip(steps, self._call(variant, steps, qb, k_cache, v_cache, results, len(dst))):
+        for st, res in zip(steps, self._call(variant, steps, qb, k_cache, v_cache, results, len(dst), sinks)):
             st.place(dst, res)
         if split:
-            o_c, l_c = combine_splits(*dst, self.splits, self.p.scores.sinks)
+            o_c, l_c = combine_splits(*dst, self.splits, self.p.scores.sinks if sinks is None else sinks)
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
         elif self.entries:

@@ -131,7 +131,7 @@ def fmha_fwd_paged(
         call_key(dict(given, **settings)),
         lambda: _Plan(from_arrays(**given, **settings), attn.session, keep_binds=False),
     )
-    return attn.run(q, k_cache, v_cache, out=out, return_lse=return_lse)
+    return attn.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)
 
 
 def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, cache_batch_idx=None, **kwargs):

@@ -352,13 +352,17 @@ def scores(
         )
     slopes = None if alibi_slopes is None else _slopes(alibi_slopes, layout, t)
     bias_a = None if bias is None else _bias(bias, layout, t)
-    sinks_a = None
-    if sinks is not None:
-        sinks_a = float_array(sinks, "sinks", finite=True)
-        if sinks_a.shape != (layout.nhead_q,):
-            raise ValueError(f"sinks must have shape [nhead_q] = [{layout.nhead_q}], got {list(sinks_a.shape)}")
-        sinks_a = np.ascontiguousarray(sinks_a, np.float32)
+    sinks_a = None if sinks is None else sinks_array(sinks, layout.nhead_q)
     return Scores(scale, cap, mask, slopes, bias_a, sinks_a, **quant)
+
+
+def sinks_array(sinks, nhead_q: int) -> np.ndarray:
+    """Attention sinks (one finite logit per query head) as the kernels take
+    them: contiguous float32 [nhead_q]."""
+    a = float_array(sinks, "sinks", finite=True)
+    if a.shape != (nhead_q,):
+        raise ValueError(f"sinks must have shape [nhead_q] = [{nhead_q}], got {list(a.shape)}")
+    return np.ascontiguousarray(a, np.float32)
 
 
 def _quant_scales(layout: Layout, given: dict) -> dict:

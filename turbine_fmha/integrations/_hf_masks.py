@@ -120,19 +120,26 @@ def left_padding(attention_mask, batch: int, rows: int) -> np.ndarray | None:
 class Terms:
     """A layer's score terms that the kernels take: its sliding window (HF's
     W: a query sees the W keys up to its own), logit soft-cap and attention
-    sinks (one logit per query head, as float32 bytes: hashable, so that
-    the layers sharing them share a plan); None for none."""
+    sinks (one logit per query head, as float32 bytes); None for none."""
 
     window: int | None = None
     softcap: float | None = None
     sinks: bytes | None = None
 
+    def planned(self) -> tuple:
+        """What a plan depends on: layers equal in it share a plan, and
+        each run brings its layer's sinks (run_kwargs)."""
+        return self.window, self.softcap, self.sinks is not None
+
     def plan_kwargs(self) -> dict:
         return dict(
             window_size_left=-1 if self.window is None else self.window - 1,
             logits_soft_cap=self.softcap or 0.0,
-            sinks=None if self.sinks is None else np.frombuffer(self.sinks, np.float32),
+            **self.run_kwargs(),
         )
+
+    def run_kwargs(self) -> dict:
+        return {} if self.sinks is None else dict(sinks=np.frombuffer(self.sinks, np.float32))
 
 
 NO_TERMS = Terms()

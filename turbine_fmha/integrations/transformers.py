@@ -41,7 +41,7 @@ cuda/hip session on GPU N), float32/float16/bfloat16, batches without padding or
 left-padded (generate's `attention_mask`; `_hf_masks`); a layer's
 `sliding_window` becomes the kernels' left window, its `softcap` their
 logit soft-cap and its `s_aux` their attention sinks (gpt-oss: per-layer
-weights, so such a model plans once per layer per step). Right padding
+weights, which each layer's run brings to the plan the step shares). Right padding
 or holes in the mask, a custom 4D mask or a mask function other than
 (sliding-window) causal, dropout and non-causal attention raise
 NotImplementedError rather than give wrong tokens. Beam search
@@ -67,7 +67,7 @@ from ..api.attention import PagedAttention
 from ..api.cache import CacheFullError, PagedKVCache, all_values_finite
 from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
 from ..runtime.session import Session
-from ._hf_masks import NAME, NO_TERMS, Terms, left_padding, padding_mask, refuse_unsupported
+from ._hf_masks import NAME, NO_TERMS, left_padding, padding_mask, refuse_unsupported
 
 _DTYPES = {np_dtype(n) for n in ("f16", "bf16", "f32")}
 # The tensors a PagedLayer hands to the model carry a weak reference to the
@@ -155,10 +155,11 @@ class PagedCache(Cache):
 
 
 class _Planner:
-    """What the layers share: one `PagedAttention` per set of score terms
-    (`_hf_masks.Terms`: sliding window, soft-cap, sinks; every layer of a
-    step has the same tables, so the first layer of each set plans and the
-    others only run), the session and where the pools live,
+    """What the layers share: one `PagedAttention` per kind of score terms
+    (`_hf_masks.Terms.planned`: sliding window, soft-cap, whether there are
+    sinks; every layer of a step has the same tables, so the first layer
+    of each kind plans and the others only run, with their own sinks), the
+    session and where the pools live,
     the step's padding, and the layers' histories (`version`)."""
 
     # Transitions remembered (about one per step): past this the table
@@ -169,8 +170,8 @@ class _Planner:
     def __init__(self, session, device_pool: bool):
         self._session, self.device_pool = session, device_pool
         self.attn = self._mask = self._offsets = self._dims = None
-        self._termed: dict[Terms, PagedAttention] = {}
-        self._keys: dict = {}  # score terms -> the key its plan was made for
+        self._termed: dict[tuple, PagedAttention] = {}  # Terms.planned() -> its attention
+        self._keys: dict = {}  # Terms.planned() -> the key its plan was made for
         self.layers: list = []  # weak references to the cache's layers
         self._ids = itertools.count()
         self._next: dict = {}
@@ -223,9 +224,9 @@ class _Planner:
     def planned(self, q, layer: PagedLayer, scale, offsets, terms=NO_TERMS) -> PagedAttention:
         """The attention planned for this step's layers of score `terms`,
         planning it if the step's first such layer calls."""
-        attn = self.attention()
-        if terms != NO_TERMS:
-            attn = self._termed.get(terms) or self._termed.setdefault(terms, PagedAttention(attn.session))
+        attn, kind = self.attention(), terms.planned()
+        if kind != NO_TERMS.planned():
+            attn = self._termed.get(kind) or self._termed.setdefault(kind, PagedAttention(attn.session))
         pool, (kc, vc) = layer.pool, layer.caches
         key = (
             layer.version,
@@ -236,8 +237,8 @@ class _Planner:
             vc.shape,
             scale,
         )
-        if key != self._keys.get(terms):
-            self._keys.pop(terms, None)  # a plan that raised must not be reused
+        if key != self._keys.get(kind):
+            self._keys.pop(kind, None)  # a plan that raised must not be reused
             bt, sk = pool.batch(layer.seqs)
             finite = self._rows_finite(sk, layer._unattended, offsets)
             # Left padding: row b's keys are its stored rows after the
@@ -260,7 +261,7 @@ class _Planner:
                 **terms.plan_kwargs(),
                 kv_rows_finite=finite,
             )
-            self._keys[terms] = key
+            self._keys[kind] = key
         return attn
 
     def _rows_finite(self, seqlen_k, new: int, offsets) -> bool:
@@ -438,7 +439,7 @@ class PagedLayer(CacheLayerMixin):
         [batch, seqlen_q, nhead_q, hdim] over the batch's sequences, less
         each row's first offsets[b] rows (left padding), with the layer's
         score `terms`."""
-        out = self.planner.planned(q, self, scale, offsets, terms).run(q, *self.caches)
+        out = self.planner.planned(q, self, scale, offsets, terms).run(q, *self.caches, **terms.run_kwargs())
         self._unattended = 0
         return out
 

@@ -5,8 +5,9 @@ caller of `fmha_fwd_paged` (or `flash_attn_with_kvcache`) rather than
 `PagedAttention` would otherwise validate, plan and upload the tables once
 per layer. A plan is found again by a digest of the call's arguments:
 the tables' and score arrays' bytes, every scalar, and the kind, shape,
-dtype, strides and device of q and the caches (whose values no plan
-depends on). Equal digests mean validation saw equal inputs.
+dtype, strides and device of q, the caches and the sinks (whose values no
+plan depends on; the sinks are checked by each run). Equal digests mean
+validation saw equal inputs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from ..core.arrays import _is_device_array, _is_torch
 # Plans a session keeps: a step's distinct calls (decode, prefill chunks,
 # a few layouts), not a history.
 PLAN_CACHE_SIZE = 8
-# Arguments keyed by their layout only.
-LAYOUT_ONLY = frozenset({"q", "k_cache", "v_cache"})
+# Arguments keyed by their layout only: no plan depends on their values
+# (the sinks: every run brings its own, as each layer has its own).
+LAYOUT_ONLY = frozenset({"q", "k_cache", "v_cache", "sinks"})
 _SCALARS = (type(None), bool, int, float, str, np.generic)
 
 
