@@ -63,3 +63,21 @@ func.func @pv_dyn(%a: tensor<?x?x?xf16>, %b: tensor<?x?x128xf16>) -> tensor<?x?x
   %r = linalg.batch_matmul ins(%a, %b : tensor<?x?x?xf16>, tensor<?x?x128xf16>) outs(%z : tensor<?x?x128xf32>) -> tensor<?x?x128xf32>
   return %r : tensor<?x?x128xf32>
 }
+// The same two contractions with the chunk's sizes static (16 = 2 sequences
+// x 8 KV heads, 256 = 4 query heads x 64 rows, 1152 keys, head dim 128):
+// what dynamic sizes cost, apart from the shapes themselves.
+func.func @qk_static(%q: tensor<16x256x128xf16>, %k: tensor<16x1152x128xf16>) -> tensor<16x256x1152xf32> {
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<16x256x1152xf32>
+  %z = linalg.fill ins(%zero : f32) outs(%e : tensor<16x256x1152xf32>) -> tensor<16x256x1152xf32>
+  %r = linalg.batch_matmul indexing_maps = [affine_map<(b, m, n, k) -> (b, m, k)>, affine_map<(b, m, n, k) -> (b, n, k)>, affine_map<(b, m, n, k) -> (b, m, n)>]
+      ins(%q, %k : tensor<16x256x128xf16>, tensor<16x1152x128xf16>) outs(%z : tensor<16x256x1152xf32>) -> tensor<16x256x1152xf32>
+  return %r : tensor<16x256x1152xf32>
+}
+func.func @pv_static(%a: tensor<16x256x1152xf16>, %b: tensor<16x1152x128xf16>) -> tensor<16x256x128xf32> {
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<16x256x128xf32>
+  %z = linalg.fill ins(%zero : f32) outs(%e : tensor<16x256x128xf32>) -> tensor<16x256x128xf32>
+  %r = linalg.batch_matmul ins(%a, %b : tensor<16x256x1152xf16>, tensor<16x1152x128xf16>) outs(%z : tensor<16x256x128xf32>) -> tensor<16x256x128xf32>
+  return %r : tensor<16x256x128xf32>
+}

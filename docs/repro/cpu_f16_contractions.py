@@ -1,5 +1,6 @@
 """Times the CPU prefill's contractions alone (cpu_f16_contractions.mlir),
 compiled as the library compiles them and with data tiling and ukernels,
+and with the chunk's sizes static (qk_static, pv_static),
 per dispatch through IREE's HAL profiling (iree-run-module
 --device_profiling_mode=host-execution, read back by iree-profile), beside
 torch.bmm on the same operands. Run from the repo root:
@@ -54,10 +55,11 @@ def main() -> None:
             "k": rng.standard_normal((B, N, HK, D)).astype(np.float16),
             "p": rng.standard_normal((B * HK, G * M, N)).astype(np.float16),
             "v": rng.standard_normal((B * HK, N, D)).astype(np.float16),
+            "q3": rng.standard_normal((B * HK, G * M, D)).astype(np.float16),
         }
         for name, a in arrays.items():
             np.save(tmp / f"{name}.npy", a)
-        calls = {"qk_generic": "qk", "qk_bmm": "qk", "pv_dyn": "pv"}
+        calls = {"qk_generic": "qk", "qk_bmm": "qk", "pv_dyn": "pv", "qk_static": ["q3", "v"], "pv_static": "pv"}
         gflop = 2 * B * HK * G * M * N * D / 1e9  # each contraction
         for label, flags in FLAGS.items():
             vmfb = tmp / "c.vmfb"
