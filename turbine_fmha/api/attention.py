@@ -408,6 +408,9 @@ class _Plan:
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         results = _Results(session, like if torch_results else None)
         q = like.detach() if torch_results else _to_numpy(like, "q")
+        out_tensor = out if _is_torch(out) and not torch_results else None
+        if out_tensor is not None:  # a torch CPU out, written through its numpy view
+            out = _to_numpy(out_tensor, "out")
         if not torch_results and any(
             isinstance(c, _TorchDeviceCache) or (isinstance(c, _DeviceCache) and torch_gpu_memory(c.array))
             for c in (kc, vc)
@@ -451,7 +454,7 @@ class _Plan:
                 self._launch(redo, q, kc, vc, results, out, return_lse, lse, sinks)
         if torch_results or not _is_torch(like):
             return (out, lse) if return_lse else out
-        out_t = _from_numpy(out, like)
+        out_t = out_tensor if out_tensor is not None else _from_numpy(out, like)
         return (out_t, _from_numpy(lse, like)) if return_lse else out_t
 
     def _launch(self, work, q, kc, vc, results, out, return_lse, lse=None, sinks=None):
@@ -518,7 +521,7 @@ class _Plan:
             caches.append(c)
         if isinstance(caches[0], _DeviceCache) != isinstance(caches[1], _DeviceCache):
             raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
-        torch_results = (
+        torch_out = (
             _is_torch(q)
             and not lay.static_quant
             and (out is None or _is_torch(out))
@@ -528,13 +531,17 @@ class _Plan:
             check_out(
                 out,
                 q,
-                torch_results,
+                torch_out,
                 (info.shape[:-1] + (lay.hdim_v,)),
                 lay.q_dtype,
                 dict(q=q, k_cache=k_cache, v_cache=v_cache),
                 session,
             )
-        return q, *self._bind_caches(caches), torch_results
+        # torch CPU tensors are host memory: their results are arranged in
+        # numpy (views of them), as numpy arrays' are. torch's own CPU ops
+        # here woke its thread pool, whose spinning threads then took the
+        # cores from IREE's workers (a small mixed step ran 1.8x its parts).
+        return q, *self._bind_caches(caches), torch_out and q.device.type != "cpu"
 
     def _bound_cache(self, name: str, a):
         """The torch GPU cache `a` as checked and imported by an earlier run
