@@ -15,6 +15,7 @@ from conftest import LSE_TOL, OUT_TOL, _TrapSession, make_problem
 
 import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros
+from turbine_fmha.core.arrays import _Results
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
@@ -111,7 +112,7 @@ def _rel(out, ref):
 
 @pytest.mark.parametrize("formulation", ["explicit", "online"])
 @pytest.mark.parametrize("case", sorted(SINKS_CASES))
-def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, formulation, case):
+def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, monkeypatch, formulation, case):
     """Sinks are weights of each layer (gpt-oss): a plan made with one
     layer's serves every layer, each run with its own (numpy or torch),
     and a run without sinks takes the plan's. Each run's sinks move the
@@ -138,9 +139,7 @@ def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, fo
         q = rng.standard_normal((int(starts[-1]), 8, 64)).astype(np.float16)
         mask["seqstart_q"] = starts
     planned = rng.uniform(-2, 0, 8).astype(np.float32)
-    attn = turbine_fmha.PagedAttention(session).plan(
-        bt,
-        sk,
+    plan_kw = dict(
         num_pages=k.shape[0],
         page_block_size=16,
         nhead_q=8,
@@ -152,6 +151,7 @@ def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, fo
         **mask,
         **c,
     )
+    attn = turbine_fmha.PagedAttention(session).plan(bt, sk, **plan_kw)
     torch = pytest.importorskip("torch")
     layers = [rng.uniform(1, 3, 8).astype(np.float32) for _ in range(2)]
     for sinks in layers + [torch.from_numpy(rng.uniform(1, 3, 8).astype(np.float32)), None]:
@@ -161,6 +161,16 @@ def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, fo
         _check(out, lse, ref, ref_lse, "f16")
         if sinks is not None:
             assert _rel(fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=planned, **mask)[0], ref) > 4 * OUT_TOL["f16"]
+    # The next step's plan (a new one) finds the layers' sinks on the
+    # device already (Session.sinks_uploads): nothing uploads them again.
+    uploads = []
+    real = _Results.upload
+    monkeypatch.setattr(_Results, "upload", lambda self, arrays: uploads.extend(arrays) or real(self, arrays))
+    again = turbine_fmha.PagedAttention(session).plan(bt, sk, **plan_kw)
+    out, lse = again.run(q, k, v, return_lse=True, sinks=layers[0])
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=layers[0], **mask), "f16")
+    assert uploads, "the new plan's tables were not seen uploading"
+    assert not [a for a in uploads if a.shape == (8,) and np.array_equal(a, layers[0])]
 
 
 def test_one_shot_calls_differing_in_sinks_share_a_plan(explicit_session, rng):

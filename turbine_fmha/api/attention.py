@@ -62,9 +62,9 @@ from .conventions import conventions
 # torch GPU caches a plan keeps bound (two per layer of a large model).
 MAX_BINDS = 512
 
-# Run-time sinks a plan keeps on the device: a step's layers' (gpt-oss's
-# 24-36), not a history.
-MAX_SINKS_UPLOADS = 64
+# Run-time sinks a session keeps on the device (Session.sinks_uploads): a
+# model's layers' (gpt-oss's 24-36), not a history.
+MAX_SINKS_UPLOADS = 256
 
 # V caches (device, byte range) whose stale rows a deferred check last found
 # non-finite: run() checks those before it queues anything, so a cache of
@@ -219,7 +219,6 @@ class _Plan:
         self._stale_index: dict[str, list] = {}
         self._binds: dict[tuple, tuple] = {}
         self._costs: dict[tuple, tuple] = {}
-        self._sinks_uploads: dict[tuple, object] = {}
         self.window_decode = False
         if self.rows == 0 or mixed:
             return
@@ -637,14 +636,15 @@ class _Plan:
         return sinks_array(sinks, self.p.layout.nhead_q)
 
     def _sinks_on(self, sinks: np.ndarray, results):
-        """A run's sinks as a kernel argument, uploaded once per plan and
-        values (a step's layers each bring their own)."""
+        """A run's sinks as a kernel argument, uploaded once per session
+        and values (each layer brings its own, every step)."""
+        uploads = self.session.sinks_uploads
         key = (sinks.tobytes(), str(results.torch_device))
-        hit = self._sinks_uploads.get(key)
+        hit = uploads.get(key)
         if hit is None:
-            if len(self._sinks_uploads) >= MAX_SINKS_UPLOADS:
-                self._sinks_uploads.clear()
-            hit = self._sinks_uploads[key] = results.upload([sinks])[0]
+            if len(uploads) >= MAX_SINKS_UPLOADS:
+                uploads.clear()
+            hit = uploads[key] = results.upload([sinks])[0]
         return hit
 
     def _allocate(self, q, out, results):

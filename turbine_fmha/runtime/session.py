@@ -149,6 +149,9 @@ class Session(VariantSelection, DeviceInterop):
         self._config = None
         # One-shot calls' plans, for the next call with equal inputs.
         self.plans = PlanCache()
+        # run()'s sinks on the device, by value and torch device: a model's
+        # layers bring the same few every step, to a new plan each step.
+        self.sinks_uploads: dict[tuple, object] = {}
         with _SHARED_LOCK:
             LIVE_SESSIONS[id(self)] = self
         self._index: dict[str, dict] = {}
