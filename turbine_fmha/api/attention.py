@@ -472,8 +472,7 @@ class _Plan:
             # is one concatenation of them (one copy, into `out` if given),
             # not an allocation, a fill and a copy per call. Row entries are
             # joined first, then rearranged by that one copy.
-            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse, sinks)
-            pieces = [[results.as_kind(a) for a in r] for r in res]
+            pieces = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse, sinks)
             cut = [((st.b1 - st.b0) // st.merge, st.e - st.s) for st in steps[0]]
             xp = ops_for(pieces[0][0])
             outs = [r[0][:nb, :nr] for r, (nb, nr) in zip(pieces, cut)]

@@ -215,7 +215,10 @@ def _check_tensor_devices(device, **arrays) -> None:
 
 class _Results:
     """Where a call's results live: numpy arrays, or, when q is a torch
-    tensor on the session's own device, torch tensors there. Kernel results
+    tensor on the session's GPU, torch tensors there (a torch CPU tensor's
+    results are numpy arrays, turned into torch views of them by the
+    caller: torch's own CPU ops here woke its thread pool, which then spun
+    against IREE's workers on the same cores). Kernel results
     then reach them without a host round trip (Session.to_torch: DLPack
     views, or device copies where the driver does not export), and
     padding, chunks, splits and varlen rows are all arranged by torch on
@@ -223,7 +226,7 @@ class _Results:
 
     def __init__(self, session, like=None):
         self.session = session
-        self.torch_device = None if like is None else like.device
+        self.torch_device = None if like is None or like.device.type == "cpu" else like.device
         # Host work for the wait of the next run() (Session.run_variants'
         # while_queued), taken by that run.
         self.while_queued = None
@@ -244,45 +247,33 @@ class _Results:
         hook, self.while_queued = self.while_queued, None
         if self.torch_device is None:
             return self.session.run_variants(variant, arg_lists, outputs=outputs, while_queued=hook)
-        if self.torch_device.type == "cpu":
-            arg_lists = [[_to_numpy(a, "q") if _is_torch(a) else a for a in args] for args in arg_lists]
-        else:
-            # On the GPU every argument goes in as torch memory imported through
-            # DLPack: q as padded on the device, the small host arrays after one
-            # copy each. IREE's own per-call uploads allocated device memory
-            # for each, which cost more than the kernel (benchmarks/api_profile.py).
-
-            arg_lists = [
-                [
-                    a
-                    if _is_device_array(a)
-                    else self.session.import_torch(
-                        a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True)
-                    )
-                    for a in args
-                ]
-                for args in arg_lists
+        # On the GPU every argument goes in as torch memory imported through
+        # DLPack: q as padded on the device, the small host arrays after one
+        # copy each. IREE's own per-call uploads allocated device memory
+        # for each, which cost more than the kernel (benchmarks/api_profile.py).
+        arg_lists = [
+            [
+                a
+                if _is_device_array(a)
+                else self.session.import_torch(
+                    a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True)
+                )
+                for a in args
             ]
-            torch_writes_done(self.torch_device)
+            for args in arg_lists
+        ]
+        torch_writes_done(self.torch_device)
         return [
             self.session.to_torch(*r)
             for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs, while_queued=hook)
         ]
-
-    def as_kind(self, a):
-        """A kernel result as this object's kind of array: a numpy result
-        viewed as a CPU torch tensor where results are torch tensors (the
-        CPU driver's results are host memory), else as it is."""
-        if self.torch_device is not None and isinstance(a, np.ndarray):
-            return _numpy_to_torch(a)
-        return a
 
     def upload(self, arrays: list) -> list:
         """Small host arrays as kernel arguments on the session's device: IREE
         buffers, or on a GPU torch path one torch upload of them all (each
         upload costs ~20 us of host time on the H200) whose aligned slices
         are imported through DLPack."""
-        if self.torch_device is None or self.torch_device.type == "cpu":
+        if self.torch_device is None:
             import iree.runtime as rt
 
             return [rt.asdevicearray(self.session.device_of(), np.ascontiguousarray(a)) for a in arrays]
