@@ -81,3 +81,26 @@ func.func @pv_static(%a: tensor<16x256x1152xf16>, %b: tensor<16x1152x128xf16>) -
   %r = linalg.batch_matmul ins(%a, %b : tensor<16x256x1152xf16>, tensor<16x1152x128xf16>) outs(%z : tensor<16x256x128xf32>) -> tensor<16x256x128xf32>
   return %r : tensor<16x256x128xf32>
 }
+// Only the rows (4 query heads x 64 rows) and the head dim static, the
+// batch and the keys dynamic: a kernel with fixed row chunks would be so.
+func.func @qk_rows_static(%q: tensor<?x256x128xf16>, %k: tensor<?x?x128xf16>) -> tensor<?x256x?xf32> {
+  %c0 = arith.constant 0 : index
+  %c1 = arith.constant 1 : index
+  %b = tensor.dim %q, %c0 : tensor<?x256x128xf16>
+  %n = tensor.dim %k, %c1 : tensor<?x?x128xf16>
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty(%b, %n) : tensor<?x256x?xf32>
+  %z = linalg.fill ins(%zero : f32) outs(%e : tensor<?x256x?xf32>) -> tensor<?x256x?xf32>
+  %r = linalg.batch_matmul indexing_maps = [affine_map<(b, m, n, k) -> (b, m, k)>, affine_map<(b, m, n, k) -> (b, n, k)>, affine_map<(b, m, n, k) -> (b, m, n)>]
+      ins(%q, %k : tensor<?x256x128xf16>, tensor<?x?x128xf16>) outs(%z : tensor<?x256x?xf32>) -> tensor<?x256x?xf32>
+  return %r : tensor<?x256x?xf32>
+}
+func.func @pv_rows_static(%a: tensor<?x256x?xf16>, %v: tensor<?x?x128xf16>) -> tensor<?x256x128xf32> {
+  %c0 = arith.constant 0 : index
+  %b = tensor.dim %a, %c0 : tensor<?x256x?xf16>
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty(%b) : tensor<?x256x128xf32>
+  %z = linalg.fill ins(%zero : f32) outs(%e : tensor<?x256x128xf32>) -> tensor<?x256x128xf32>
+  %r = linalg.batch_matmul ins(%a, %v : tensor<?x256x?xf16>, tensor<?x?x128xf16>) outs(%z : tensor<?x256x128xf32>) -> tensor<?x256x128xf32>
+  return %r : tensor<?x256x128xf32>
+}

@@ -1,6 +1,7 @@
 """Times the CPU prefill's contractions alone (cpu_f16_contractions.mlir),
 compiled as the library compiles them and with data tiling and ukernels,
-and with the chunk's sizes static (qk_static, pv_static),
+and with the chunk's sizes static (qk_static, pv_static; the rows only:
+qk_rows_static, pv_rows_static),
 per dispatch through IREE's HAL profiling (iree-run-module
 --device_profiling_mode=host-execution, read back by iree-profile), beside
 torch.bmm on the same operands. Run from the repo root:
@@ -60,6 +61,7 @@ def main() -> None:
         for name, a in arrays.items():
             np.save(tmp / f"{name}.npy", a)
         calls = {"qk_generic": "qk", "qk_bmm": "qk", "pv_dyn": "pv", "qk_static": ["q3", "v"], "pv_static": "pv"}
+        calls.update(qk_rows_static=["q3", "v"], pv_rows_static="pv")
         gflop = 2 * B * HK * G * M * N * D / 1e9  # each contraction
         for label, flags in FLAGS.items():
             vmfb = tmp / "c.vmfb"
