@@ -463,8 +463,8 @@ class _Plan:
         steps = [pt._device_steps(v, results) for pt, v in work]
         if lse is None and out is None and len(work) == 1 and work[0][0] is self and self._direct(steps[0]):
             # One kernel call computes exactly the output: its results are it.
-            res = self._call(work[0][1], steps[0], self._batch_q(q, results), kc, vc, results, 1 + return_lse, sinks)
-            res = res[0]
+            qb = self._batch_q(q, results)
+            res = self._call(work[0][1], steps[0], qb, kc, vc, results, 1 + return_lse, sinks)[0]
             return res if return_lse else (res[0], None)
         axis = self._join_axis(steps[0]) if lse is None and len(work) == 1 and work[0][0] is self else None
         if axis is not None:
@@ -535,10 +535,8 @@ class _Plan:
                 dict(q=q, k_cache=k_cache, v_cache=v_cache),
                 session,
             )
-        # torch CPU tensors are host memory: their results are arranged in
-        # numpy (views of them), as numpy arrays' are. torch's own CPU ops
-        # here woke its thread pool, whose spinning threads then took the
-        # cores from IREE's workers (a small mixed step ran 1.8x its parts).
+        # Torch results only on a GPU: a torch CPU tensor's are arranged in
+        # numpy views (core.arrays._Results says why).
         return q, *self._bind_caches(caches), torch_out and q.device.type != "cpu"
 
     def _bound_cache(self, name: str, a):
