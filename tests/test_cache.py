@@ -569,6 +569,71 @@ def test_append_batch_is_appends_one_by_one(explicit_session, rng, where, kv_lay
     _assert_same_state(_pool_state(batched, live), before)
 
 
+def test_decode_steps_take_the_array_path_and_match_appends(rng, monkeypatch):
+    """A decode step's batch (no shared partly filled page) takes
+    append_batch's array path (_unshared_slots), a batch with forks the
+    sequence-by-sequence one (_slots); both leave the cache exactly as
+    appends one by one do: 40 one-token steps of 20 sequences of random
+    prompt lengths across page boundaries, with NaN and Inf V rows, then a
+    step after two forks. (Smaller batches always take the latter:
+    ARRAY_SLOTS_MIN_BATCH.)"""
+    paths = []
+    real = PagedKVCache._unshared_slots
+
+    def counted(self, *args):
+        slots = real(self, *args)
+        paths.append(slots is not None)
+        return slots
+
+    monkeypatch.setattr(PagedKVCache, "_unshared_slots", counted)
+    one, batched = (PagedKVCache(300, 4, HK, D, "f16") for _ in range(2))
+    seqs = [one.allocate() for _ in range(20)]
+    assert [batched.allocate() for _ in range(20)] == seqs
+    for s in seqs:
+        n = int(rng.integers(0, 11))
+        rows = [rng.standard_normal((n, HK, D)).astype(np.float16) for _ in range(2)]
+        one.append(s, *rows)
+        batched.append(s, *rows)
+
+    def step(live):
+        k, v = (rng.standard_normal((len(live), 1, HK, D)).astype(np.float16) for _ in range(2))
+        if rng.random() < 0.2:
+            v[int(rng.integers(len(live))), 0, 1, int(rng.integers(D))] = rng.choice([np.nan, np.inf, -np.inf])
+        batched.append_batch(live, k, v)
+        for i, s in enumerate(live):
+            one.append(s, k[i], v[i])
+        _assert_same_state(_pool_state(batched, live), _pool_state(one, live))
+
+    for _ in range(40):
+        step(seqs)
+    assert paths == [True] * 40
+    odd = [s for s in seqs if one.seqlen(s) % 4][:2]  # partly filled last pages, then shared
+    forks = [one.fork(s) for s in odd]
+    assert [batched.fork(s) for s in odd] == forks
+    step(seqs + forks)
+    assert paths[-1] is False
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_nonfinite_flags_read_on_the_bits(rng, dtype):
+    """_nonfinite_flags marks exactly the rows holding a NaN or an Inf,
+    whatever else they hold (the largest finite values, subnormals, -0)."""
+    from turbine_fmha.api.cache import _nonfinite_flags
+    from turbine_fmha.core.arrays import np_dtype
+
+    dt = np_dtype(dtype)
+    v = rng.standard_normal((64, HK, D)).astype(np.float32).astype(dt)
+    big = float(np.finfo(np.float16).max) if dtype == "f16" else 3.0e38
+    v[1, 0, 0], v[2, 1, 5], v[3, 0, 1] = big, -big, -0.0
+    v[4, 1, 2] = np.float32(1e-41 if dtype != "f16" else 1e-7)  # subnormal
+    for row, value in zip(range(5, 64, 7), [np.nan, np.inf, -np.inf] * 5):
+        v[row, int(rng.integers(HK)), int(rng.integers(D))] = value
+    want = ~np.isfinite(v.astype(np.float32)).all(axis=(1, 2))
+    assert want.sum() == 9
+    np.testing.assert_array_equal(_nonfinite_flags(v), want)
+    np.testing.assert_array_equal(_nonfinite_flags(v[:0]), want[:0])
+
+
 def test_append_batch_failures_change_nothing(explicit_session, rng):
     """A batch that fails (bad shapes or dtypes, a sequence named twice or
     unknown, too few pages, or the device write itself) changes nothing."""
