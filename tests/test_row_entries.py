@@ -16,7 +16,7 @@ from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem, run_and_check
 import turbine_fmha
 from turbine_fmha.build import aot
 from turbine_fmha.calls.mask import MaskSpec
-from turbine_fmha.calls.plan import KernelCall, row_entries
+from turbine_fmha.calls.plan import KernelCall, kernel_steps, row_entries
 from turbine_fmha.kernels.variants import ENTRY_ROWS, Variant, online_variant
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -43,6 +43,7 @@ CASES = {
         [400, 256, 300],
         180,
     ),
+    "window": (dict(mask_type="bottom_right", window_size_left=100, window_size_right=0), [600, 300, 450], 200),
     # New rows over cached keys, as a chunked prefill has them.
     "chunked_prefill": (dict(mask_type="bottom_right", window_size_right=0), [700, 650, 690, 610], 128),
 }
@@ -164,6 +165,43 @@ def test_entry_tables():
     np.testing.assert_array_equal(e.seqlen_k, [428, 428, 556, 500, 600, 0])
     np.testing.assert_array_equal(e.kv_shift, [0, 7, 0, 7, 0, 7])
     np.testing.assert_array_equal(e.block_table[1], c.block_table[1])
+
+
+def test_windowed_entries_read_their_own_windows(entries_session, rng):
+    """Under a sliding window each entry's table starts at the first page
+    its own rows see, not the sequence's first row's: a launch reads its
+    widest entry's keys, about the window plus the entry's rows, however
+    long the prompt. Against the float64 reference with NaN in the spare
+    pages, so a table cut wrong reads them and fails."""
+    window, rows = 100, 1024
+    p = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=rows, seqlens_k=[rows, rows], nhead_q=4, nhead_k=2, hdim=64, page=16
+    )
+    kw = dict(mask_type="bottom_right", window_size_left=window, window_size_right=0)
+    attn = turbine_fmha.PagedAttention(entries_session).plan(
+        p[3],
+        p[4],
+        num_pages=p[1].shape[0],
+        page_block_size=16,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        seqlen_q=rows,
+        **kw,
+    )
+    plan = attn._plan
+    assert plan.entries == rows // ENTRY_ROWS
+    variant = plan._variant(False)
+    # An entry's keys: its 128 rows and the window before its first, each
+    # end rounded out to a page.
+    most = -(-(ENTRY_ROWS + window) // 16) + 1
+    widths = [st.width for st in kernel_steps(variant, plan.call)]
+    assert max(widths) <= most, (widths, most)
+    out, lse = attn.run(*p[:3], return_lse=True)
+    ref, ref_lse = fmha_fwd_paged_ref(*p, **kw)
+    assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
+    assert np.abs(lse - ref_lse).max() <= LSE_TOL["f16"]
 
 
 @pytest.mark.parametrize("arrays", ["numpy", "torch"])

@@ -276,6 +276,9 @@ class _Plan:
         launches compute, at their rate, plus a cost per launch) by
         ENTRIES_GAIN than the tile select() picks for it as it is."""
         alt = row_entries(self.call)
+        # Each entry's own window: a chunk's rows see less than the whole
+        # sequence's rows do, and a launch reads the widest of its entries.
+        alt = window_cut(alt) if alt is not None else None
         tiles = self.session.entry_variants(self.key) if alt is not None else []
         if not tiles:
             return
@@ -288,6 +291,9 @@ class _Plan:
             here = None
         if here is None or self._cost(best, alt) <= ENTRIES_GAIN * self._cost(here, self.call):
             self.call, self.entries = alt, -(-self.rows // ENTRY_ROWS)
+            # The entries' tables start at their own windows' first pages.
+            lay = self.p.layout
+            self.stale = stale_rows(alt.block_table, alt.seqlen_k, alt.kv_shift, lay.page_block_size)
 
     def _cost(self, v, call) -> float:
         """modelled_cost, once per tile geometry and call: the built tiles
