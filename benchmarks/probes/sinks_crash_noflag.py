@@ -1,0 +1,15 @@
+"""The sinks probe with the HostFlag completion path off (runtime.invoke's
+_flag returns None): tells whether the GPU-wait segfault of
+docs/reliability.md "Open: a segfault in the GPU wait" needs the flag's
+queued copy, or comes from the calls' fence waits alone. Same arguments
+as h200_run_sinks.py."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import turbine_fmha.runtime.invoke as invoke
+
+invoke._flag = lambda device: None
+sys.argv = [str(Path(__file__).with_name("h200_run_sinks.py"))] + sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
