@@ -21,21 +21,7 @@
 # leave build/dynb for a second call if they do not fit):
 #   bash benchmarks/probes/h200_pending.sh
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-OUTDIR=${OUT:-/tmp}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-status=0
-run() {  # name, command...: one step's log in $OUTDIR/name.log; a failed step does not stop the others
-    local name=$1
-    shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUTDIR/$name.log"
-    local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc"
-    [ "$rc" -eq 0 ] || status=1
-}
+source "$(dirname "$0")/device_steps.sh"
 run as_called_window_cuda python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --rounds 5 \
     --shape decode:32x4096:W1024 --shape decode:32x1024 --shape decode:1x32768:W4096 --shape decode:1x4096 \
     --shape prefill:1x4096:W1024 --shape chunked:4x512+8192:W2048 --json "$OUTDIR/as_called_window_cuda.json"

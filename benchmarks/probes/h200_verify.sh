@@ -15,21 +15,7 @@
 #   bash benchmarks/probes/h200_verify.sh rows|hf
 set -uo pipefail
 part=${1:?usage: h200_verify.sh rows|hf}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
-export PYTHONUNBUFFERED=1
-OUTDIR=${OUT:-/tmp}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-status=0
-run() {  # name, command...: one step's log in $OUTDIR/name.log; a failed step does not stop the others
-    local name=$1
-    shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUTDIR/$name.log"
-    local rc=${PIPESTATUS[0]}
-    echo "== $name: exit $rc"
-    [ "$rc" -eq 0 ] || status=1
-}
+source "$(dirname "$0")/device_steps.sh"
 case $part in
 rows)
     run as_called_cuda python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --rounds 5 \
