@@ -286,10 +286,11 @@ def _underflows(args, kw, p):
     """Where the poisoned V element meets a probability below the smallest
     normal number of the kernels' P (q's dtype, as ck_tile's; float32 P
     for float32; a subnormal may be flushed): P may be 0 there, and 0 x
-    Inf is NaN where the float64 reference's output is +-Inf. The reference over a V that is 1 at the
-    poisoned element and 0 elsewhere gives each output element that
-    element's probability (normalized: at most the kernels' unnormalized
-    P, so a probability at or above the bound never underflows)."""
+    Inf is NaN where the float64 reference's output is +-Inf. The
+    reference over a V that is 1 at the poisoned element and 0 elsewhere
+    gives each output element that element's probability (normalized: at
+    most the kernels' unnormalized P, so a probability at or above the
+    bound never underflows)."""
     q, k, v, bt, sk = args
     probe = np.zeros(v.shape, np.float32)
     probe[np.isinf(v)] = 1.0

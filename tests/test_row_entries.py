@@ -167,6 +167,22 @@ def test_entry_tables():
     np.testing.assert_array_equal(e.block_table[1], c.block_table[1])
 
 
+def _plan(session, bt, sk, num_pages, rows, **kw):
+    """The f16 4/2 x 64, page-16 plan of the problems below."""
+    return turbine_fmha.PagedAttention(session).plan(
+        bt,
+        sk,
+        num_pages=num_pages,
+        page_block_size=16,
+        nhead_q=4,
+        nhead_k=2,
+        hdim=64,
+        dtype="f16",
+        seqlen_q=rows,
+        **kw,
+    )
+
+
 def test_windowed_entries_read_their_own_windows(entries_session, rng):
     """Under a sliding window each entry's table starts at the first page
     its own rows see, not the sequence's first row's: a launch reads its
@@ -178,18 +194,7 @@ def test_windowed_entries_read_their_own_windows(entries_session, rng):
         rng, dtype="f16", batch=2, seqlen_q=rows, seqlens_k=[rows, rows], nhead_q=4, nhead_k=2, hdim=64, page=16
     )
     kw = dict(mask_type="bottom_right", window_size_left=window, window_size_right=0)
-    attn = turbine_fmha.PagedAttention(entries_session).plan(
-        p[3],
-        p[4],
-        num_pages=p[1].shape[0],
-        page_block_size=16,
-        nhead_q=4,
-        nhead_k=2,
-        hdim=64,
-        dtype="f16",
-        seqlen_q=rows,
-        **kw,
-    )
+    attn = _plan(entries_session, p[3], p[4], p[1].shape[0], rows, **kw)
     plan = attn._plan
     assert plan.entries == rows // ENTRY_ROWS
     variant = plan._variant(False)
@@ -219,18 +224,7 @@ def test_entries_results_are_rearranged_once(entries_session, rng, allocations, 
         rng, dtype="f16", batch=3, seqlen_q=rows, seqlens_k=lens_k, nhead_q=4, nhead_k=2, hdim=64, page=16
     )
     kw = dict(mask_type="bottom_right", window_size_right=0)
-    attn = turbine_fmha.PagedAttention(entries_session).plan(
-        bt,
-        sk,
-        num_pages=k.shape[0],
-        page_block_size=16,
-        nhead_q=4,
-        nhead_k=2,
-        hdim=64,
-        dtype="f16",
-        seqlen_q=rows,
-        **kw,
-    )
+    attn = _plan(entries_session, bt, sk, k.shape[0], rows, **kw)
     assert attn._plan.entries
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
     if arrays == "torch":
