@@ -8,6 +8,8 @@ import runpy
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 import turbine_fmha.runtime.invoke as invoke
 
 invoke._flag = lambda device: None
