@@ -138,6 +138,47 @@ def test_gpu_wait_through_the_host_flag(explicit_session, rng, monkeypatch):
     assert flag._timeline.query() == flag._count  # settled: no copy left in flight
 
 
+def test_gpu_flag_copy_waits_on_one_semaphore(explicit_session, rng, monkeypatch):
+    """The HostFlag's copy waits on a single semaphore: on IREE 3.13's
+    CUDA driver a copy that waited on the several semaphores of a
+    multi-call run crashed the process (docs/reliability.md "A segfault in
+    the GPU wait"). A run of several calls (each after the first on its
+    own timeline) waits on the calls' fences instead, and still returns
+    every call's results; a single call keeps the flag."""
+    import turbine_fmha.runtime.invoke as invoke
+
+    attn, (q, k, v), _ = _planned(explicit_session, rng)
+    variant, args = _args(attn, q, k, v)
+    loaded = explicit_session._load(variant)
+    good = loaded.invoke(args, 2)[0].to_host()
+    monkeypatch.setattr(loaded, "spin", True)
+    monkeypatch.setattr(invoke, "SPIN_SECONDS", 5.0)  # the CPU driver's copy takes milliseconds
+    flag = invoke._flag(loaded.config.device)
+    copies = _Recording(flag.device)
+    monkeypatch.setattr(flag, "device", copies)
+    monkeypatch.setattr(invoke, "_flag", lambda device: flag)
+    for out, _ in explicit_session.run_variants(variant, [args, args, args]):
+        np.testing.assert_array_equal(out, good)
+    assert copies.waits == []
+    ((out, _),) = explicit_session.run_variants(variant, [args])
+    np.testing.assert_array_equal(out, good)
+    assert [len(w) for w in copies.waits] == [1]
+
+
+class _Recording:
+    """The device, recording the wait lists of its queue copies."""
+
+    def __init__(self, device):
+        self._device, self.waits = device, []
+
+    def queue_copy(self, src, dst, waits, signals):
+        self.waits.append(list(waits))
+        return self._device.queue_copy(src, dst, waits, signals)
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+
 def test_gpu_wait_survives_a_failing_flag_copy(explicit_session, rng, monkeypatch):
     """A flag copy the device refuses (a driver that lacks the transfer, a
     lost device) is not the calls' failure: the wait falls back to their

@@ -142,9 +142,14 @@ def wait_all(calls) -> Exception | None:
     """Waits for every call; returns the first failure (None if none). On
     a GPU the wait first watches a HostFlag that the device sets after the
     calls, then waits on the calls themselves (which raises a failure, and
-    costs nothing once the flag is set)."""
+    costs nothing once the flag is set). Only calls on one timeline get
+    the flag: IREE 3.13's CUDA queue crashed the process (its worker thread
+    in cuStreamWaitEvent) when the flag's copy waited on several
+    semaphores, as a run's calls after its first signal their own
+    (docs/reliability.md "A segfault in the GPU wait")."""
     fenced = [c for c in calls if c.done is not None]
-    flag = _flag(fenced[0].loaded.config.device) if fenced and fenced[0].loaded.spin else None
+    one_timeline = len({id(c.timeline) for c in fenced}) == 1
+    flag = _flag(fenced[0].loaded.config.device) if one_timeline and fenced[0].loaded.spin else None
     if flag is not None and flag.wait(fenced):
         return None
     first = None
@@ -188,7 +193,12 @@ class HostFlag:
         (else the caller waits on the calls themselves, as it must for a
         call that failed: the copy then never runs)."""
         self.value[0] = 0
-        waits = [(c.timeline, c.value) for c in calls]
+        # The latest value of each timeline: one wait per semaphore.
+        latest = {}
+        for c in calls:
+            if id(c.timeline) not in latest or c.value > latest[id(c.timeline)][1]:
+                latest[id(c.timeline)] = (c.timeline, c.value)
+        waits = list(latest.values())
         try:
             self.device.queue_copy(
                 self._one._buffer_view.get_buffer(), self.buffer, waits, [(self._timeline, self._count + 1)]
