@@ -1,8 +1,7 @@
 """The sinks probe with the HostFlag completion path off (runtime.invoke's
-_flag returns None): tells whether the GPU-wait segfault of
-docs/reliability.md "Open: a segfault in the GPU wait" needs the flag's
-queued copy, or comes from the calls' fence waits alone. Same arguments
-as h200_run_sinks.py."""
+_flag returns None), the control for docs/reliability.md "A segfault in
+the GPU wait": it passed where the flag's copy, waiting on several
+semaphores, crashed. Same arguments as h200_run_sinks.py."""
 
 import runpy
 import sys

@@ -164,8 +164,8 @@ def wait_all(calls) -> Exception | None:
 
 
 class HostFlag:
-    """Calls' completion seen in host memory. After a thread's calls, a
-    4-byte device-to-host copy queued to wait on their fences sets an int in
+    """Calls' completion seen in host memory. After a thread's calls on one
+    timeline, a 4-byte device-to-host copy queued to wait on it sets an int in
     pinned host memory, which the thread reads until it changes: IREE's own
     completion path (its completion thread's event synchronize, then the
     semaphore's signal on the host) reached a waiting thread well after the
