@@ -142,14 +142,9 @@ def wait_all(calls) -> Exception | None:
     """Waits for every call; returns the first failure (None if none). On
     a GPU the wait first watches a HostFlag that the device sets after the
     calls, then waits on the calls themselves (which raises a failure, and
-    costs nothing once the flag is set). Only calls on one timeline get
-    the flag: IREE 3.13's CUDA queue crashed the process (its worker thread
-    in cuStreamWaitEvent) when the flag's copy waited on several
-    semaphores, as a run's calls after its first signal their own
-    (docs/reliability.md "A segfault in the GPU wait")."""
+    costs nothing once the flag is set)."""
     fenced = [c for c in calls if c.done is not None]
-    one_timeline = len({id(c.timeline) for c in fenced}) == 1
-    flag = _flag(fenced[0].loaded.config.device) if one_timeline and fenced[0].loaded.spin else None
+    flag = _flag_for(fenced)
     if flag is not None and flag.wait(fenced):
         return None
     first = None
@@ -161,6 +156,17 @@ def wait_all(calls) -> Exception | None:
     if flag is not None:
         flag.settle()
     return first
+
+
+def _flag_for(fenced) -> HostFlag | None:
+    """The HostFlag for waiting on GPU calls `fenced`, or None. Only calls
+    on one timeline get it: IREE 3.13's CUDA queue crashed the process (its
+    worker thread in cuStreamWaitEvent) when the flag's copy waited on
+    several semaphores, as a run's calls after its first signal their own
+    (docs/reliability.md "A segfault in the GPU wait")."""
+    if len({id(c.timeline) for c in fenced}) != 1 or not fenced[0].loaded.spin:
+        return None
+    return _flag(fenced[0].loaded.config.device)
 
 
 class HostFlag:
