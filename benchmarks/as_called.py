@@ -283,6 +283,23 @@ def mask_kwargs(shape: Shape) -> dict:
     )
 
 
+def plan_kwargs(case: Case) -> dict:
+    """PagedAttention.plan's keyword arguments for the case, its mask included
+    (the tables and kv_rows_finite are the caller's)."""
+    sh = case.shape
+    return dict(
+        num_pages=case.num_pages,
+        page_block_size=PAGE,
+        nhead_q=sh.hq,
+        nhead_k=sh.hk,
+        hdim=D,
+        dtype=case.q.dtype,
+        seqlen_q=sh.seqlen_q,
+        kv_layout=sh.layout,
+        **mask_kwargs(sh),
+    )
+
+
 # -- torch: the alternative and the reference -----------------------------------
 
 
@@ -488,17 +505,7 @@ def bench_row(session, case: Case, args) -> dict:
     kw = mask_kwargs(sh)
     side = TorchSide(case, args.torch_gqa)
     noop = lambda: None
-    plan_args = dict(
-        num_pages=case.num_pages,
-        page_block_size=PAGE,
-        nhead_q=sh.hq,
-        nhead_k=sh.hk,
-        hdim=D,
-        dtype=case.q.dtype,
-        seqlen_q=sh.seqlen_q,
-        kv_layout=sh.layout,
-        **kw,
-    )
+    plan_args = plan_kwargs(case)
     attn_f = turbine_fmha.PagedAttention(session).plan(
         case.block_table, case.seqlen_k, kv_rows_finite=True, **plan_args
     )

@@ -65,15 +65,7 @@ def main() -> int:
             case.block_table,
             case.seqlen_k,
             kv_rows_finite=True,
-            num_pages=case.num_pages,
-            page_block_size=as_called.PAGE,
-            nhead_q=sh.hq,
-            nhead_k=sh.hk,
-            hdim=as_called.D,
-            dtype=case.q.dtype,
-            seqlen_q=sh.seqlen_q,
-            kv_layout=sh.layout,
-            **as_called.mask_kwargs(sh),
+            **as_called.plan_kwargs(case),
         )
         q, k, v = case.q, case.k, case.v
 

@@ -39,20 +39,11 @@ PREFILL = "prefill:1x4096"
 
 def _planned(session, spec: str, seed: int):
     case = as_called.make_case(as_called.parse_shape(spec), "torch", "f16", "cuda", seed)
-    sh = case.shape
     attn = turbine_fmha.PagedAttention(session).plan(
         case.block_table,
         case.seqlen_k,
         kv_rows_finite=True,
-        num_pages=case.num_pages,
-        page_block_size=as_called.PAGE,
-        nhead_q=sh.hq,
-        nhead_k=sh.hk,
-        hdim=as_called.D,
-        dtype=case.q.dtype,
-        seqlen_q=sh.seqlen_q,
-        kv_layout=sh.layout,
-        **as_called.mask_kwargs(sh),
+        **as_called.plan_kwargs(case),
     )
     return case, attn
 
