@@ -133,15 +133,7 @@ def main() -> int:
             case.block_table,
             case.seqlen_k,
             kv_rows_finite=True,
-            num_pages=case.num_pages,
-            page_block_size=ac.PAGE,
-            nhead_q=shape.hq,
-            nhead_k=shape.hk,
-            hdim=ac.D,
-            dtype=case.q.dtype,
-            seqlen_q=shape.seqlen_q,
-            kv_layout=shape.layout,
-            **ac.mask_kwargs(shape),
+            **ac.plan_kwargs(case),
         )
         q, k, v = case.q, case.k, case.v
         sess.trim()
