@@ -119,7 +119,7 @@ def test_exported_static_shapes(rng):
 def _example():
     q = torch.zeros(2, 1, 4, 64, dtype=torch.float16)
     k = torch.zeros(8, 16, 2, 64, dtype=torch.float16)
-    return q, k, k, torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    return q, k, torch.zeros_like(k), torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,13 @@ online kernel for a decode of a static batch, in the runtime's batch tile
 (docs/user-guide.md, "Inside exported programs"). fmha_fwd_kvcache and
 reshape_and_cache are here too.
 
-Checks that need values (the tables' contents) cannot run on traced
-tensors: the exported program trusts its caller as the kernels' ABI says
-(docs/abi.md). Imports torch and iree-turbine: only an export reaches it.
+Checks that need values (the tables' contents) or run-time sizes cannot
+run on traced tensors. The program checks them itself: a guard
+(signature.GUARD_PAGED, GUARD_WRITE) runs first and fails the invocation
+where sizes disagree, and values outside the caches are cut or skipped,
+never clamped onto another sequence's pages (docs/user-guide.md, "Inside
+exported programs"). Imports torch and iree-turbine: only an export
+reaches it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ensure_mlir_isinstance()
 _FWD_EXPLICIT = custom_ops.torch_op(custom_ops.PagedKVFwdExplicit)
 _FWD_ONLINE = custom_ops.torch_op(custom_ops.PagedKVFwdOnline)
+_GUARD_PAGED = custom_ops.torch_op(custom_ops.GuardPaged)
+_GUARD_WRITE = custom_ops.torch_op(custom_ops.GuardWrite)
+_I32_MAX = 2**31 - 1
 
 FORMULATIONS = ("explicit", "online")
 # A plain dict, not a ContextVar: dynamo, which traces the calls while
@@ -177,7 +184,7 @@ def call_paged(
         v_layout=v_layout,
         formulation="explicit",
     )
-    block_table, seqlen_k = block_table.to(torch.int32), seqlen_k.to(torch.int32)
+    block_table, seqlen_k = _guarded(q, k_cache, v_cache, block_table, seqlen_k, kv_layout)
     left, right = mask.kernel_sides
     scalars = (
         torch.tensor([softmax, cap, 1.0, 1.0], dtype=torch.float32),
@@ -209,6 +216,21 @@ def call_paged(
             *fwd_attrs(variant).values(),
         )
     return (out, lse) if return_lse else out
+
+
+def _guarded(q, k_cache, v_cache, block_table, seqlen_k, kv_layout):
+    """The table and lengths the kernels get: int32, after the program's
+    run-time guard (signature.GUARD_PAGED), which fails the invocation
+    where the sizes disagree and cuts each sequence's seqlen_k at its first
+    used slot outside k_cache's pages. The casts come first and read one
+    tensor each: an id or length beyond int32 must not wrap into range."""
+    if block_table.dtype != torch.int32:
+        block_table = torch.where(torch.logical_and(block_table >= 0, block_table <= _I32_MAX), block_table, -1)
+        block_table = block_table.to(torch.int32)
+    if seqlen_k.dtype != torch.int32:
+        seqlen_k = seqlen_k.clamp(-1, _I32_MAX).to(torch.int32)
+    page_axis = 1 if kv_layout == "NHD" else 2
+    return block_table, _GUARD_PAGED(q, k_cache, v_cache, block_table, seqlen_k, page_axis)
 
 
 def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
@@ -357,6 +379,11 @@ def _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layou
             f"q must be [batch, seqlen_q, nhead_q, hdim] inside an exported program (group mode is not "
             f"supported yet), got {q.dim()} dims"
         )
+    if k_cache is v_cache:
+        raise ValueError(
+            "k_cache and v_cache are one tensor: torch.export would make the program read its v_cache "
+            "argument as K too; export with distinct example tensors"
+        )
     if q.dtype not in _DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -420,8 +447,15 @@ def call_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, cach
         seqlen_k = rows
     if isinstance(seqlen_k, int):
         seqlen_k = torch.full((batch,), seqlen_k, dtype=torch.int32)
-    rows_of = torch.arange(batch, dtype=torch.int32) if cache_batch_idx is None else cache_batch_idx.to(torch.int32)
-    table = rows_of[:, None] * per + torch.arange(per, dtype=torch.int32)[None, :]
+    if cache_batch_idx is None:
+        rows_of = torch.arange(batch, dtype=torch.int64)
+    else:
+        # A row outside the cache gets a table of -1: no page, so its
+        # sequence sees no key (GUARD_PAGED) instead of a clamped row's.
+        idx = cache_batch_idx.to(torch.int64)
+        rows_of = torch.where(torch.logical_and(idx >= 0, idx < k_cache.shape[0]), idx, -1)
+    cols = torch.arange(per, dtype=torch.int64)[None, :]
+    table = torch.where(rows_of[:, None] >= 0, rows_of[:, None] * per + cols, -1).to(torch.int32)
 
     def paged(c):
         return c.reshape(c.shape[0] * per, page, c.shape[2], c.shape[3])
@@ -434,9 +468,12 @@ def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="N
     or [batch, seqlen_new, ...]) written in place into the caches' rows at
     slot_mapping (page * page_block_size + row) as torch index writes, which
     the export keeps (into the caches' globals when they are the module's
-    buffers). A program cannot check values: every slot must be a row of
-    the caches (vLLM's -1, skip this token, is not supported here), and
-    distinct, as the eager call checks."""
+    buffers). A token whose slot is not a row of both caches (vLLM's -1
+    among them) is skipped: the program cannot drop it from a write of
+    static form, so it rewrites what the first valid token writes, or,
+    with none valid, row 0's own contents. Token counts that disagree fail
+    the invocation (GUARD_WRITE). Distinct slots are the caller's to keep,
+    as the eager call checks: of two tokens on one row, either may win."""
     for name, value in others.items():
         if name not in ("session", "device") and value is not None and value is not False:
             raise NotImplementedError(
@@ -450,18 +487,36 @@ def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="N
             raise TypeError(f"{name} must be a torch tensor inside an exported program, got {type(t).__name__}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if k_cache is v_cache:
+        raise ValueError("k_cache and v_cache are one tensor: export with distinct example tensors")
     heads, page_dim = (2, 1) if kv_layout == "NHD" else (1, 2)
-    slots = slot_mapping.reshape(-1).to(torch.int64)
     page = k_cache.shape[page_dim]
+    flats = {}
     for name, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if cache.dim() != 4:
             raise ValueError(f"{name}_cache must have 4 dims, got {cache.dim()}")
         if rows.dtype != cache.dtype:
             raise TypeError(f"{name} must be {cache.dtype} like {name}_cache (values are never cast), got {rows.dtype}")
-        flat = rows.reshape(-1, cache.shape[heads], cache.shape[3])
+        flats[name] = rows.reshape(-1, cache.shape[heads], cache.shape[3])
+    slots = _GUARD_WRITE(flats["k"], flats["v"], k_cache, v_cache, slot_mapping.reshape(-1).to(torch.int64))
+    rows = torch.sym_min(k_cache.shape[0] * page, v_cache.shape[0] * v_cache.shape[page_dim])
+    valid = torch.logical_and(slots >= 0, slots < rows)
+    # Skipped tokens write what the first valid token writes, or with none
+    # valid, row 0's own contents: one extra candidate, appended, so that
+    # no index reads past the tokens when there are none. (A min, not an
+    # argmax: IREE 3.13's llvm-cpu fails on a dynamic argmax.)
+    order = torch.arange(slots.shape[0] + 1, dtype=torch.int64)
+    pick = torch.where(torch.cat([valid, torch.ones(1, dtype=torch.bool)]), order, slots.shape[0]).amin(0, True)
+    target = torch.where(valid, slots, torch.cat([slots, torch.zeros(1, dtype=torch.int64)]).index_select(0, pick))
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        flat = flats[name]
+        nhd = cache.view(-1, cache.shape[2], cache.shape[3]) if kv_layout == "NHD" else None
+        row0 = nhd[0] if kv_layout == "NHD" else cache[0, :, 0]
+        stand_in = torch.cat([flat, row0[None]]).index_select(0, pick)
+        data = torch.where(valid[:, None, None], flat, stand_in)
         if kv_layout == "NHD":
-            cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots, flat)
+            nhd.index_copy_(0, target, data)
         else:
             heads_idx = torch.arange(cache.shape[1])[None, :]
-            cache.index_put_(((slots // page)[:, None], heads_idx, (slots % page)[:, None]), flat)
+            cache.index_put_(((target // page)[:, None], heads_idx, (target % page)[:, None]), data)
     return None

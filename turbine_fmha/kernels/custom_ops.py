@@ -39,8 +39,10 @@ _TORCH_DTYPE = {
     "f32": torch.float32,
     "i8": torch.int8,
     "i32": torch.int32,
+    "i64": torch.int64,
 }
-_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items()}
+# The element types a kernel's q and caches may have.
+_DTYPE_NAME = {v: k for k, v in _TORCH_DTYPE.items() if k != "i64"}
 
 
 # A file every template directory holds (mlir_dir tells them by it).
@@ -354,6 +356,53 @@ class PagedKVAppendRotary(_PagedKVAppendOp):
 
     kernel = sig.APPEND_ROTARY
     signature = sig.custom_op_signature(sig.APPEND_ROTARY, "turbine_fmha_pagedkv_append_rotary")
+
+
+class _Guard(CustomOp):
+    """An exported program's run-time size checks (signature.GUARD_PAGED,
+    GUARD_WRITE), lowered into the program before the call they guard."""
+
+    kernel: sig.Kernel
+    template: str
+
+    def _types(self, tensors: list) -> sig.Types:
+        # The first tensor's dtype is the queries' (GUARD_PAGED) or the
+        # tokens' (GUARD_WRITE); the caches' follows the declaration.
+        names = {v: k for k, v in _TORCH_DTYPE.items()}
+        by_rule = {}
+        for arg, t in zip(self.kernel.args, tensors):
+            torch._check(t.dtype in names, lambda: f"{arg.name}: unsupported dtype {t.dtype}")
+            by_rule.setdefault(arg.dtype, names[t.dtype])
+        return sig.guard_types(by_rule.get("Q", by_rule["KV"]), by_rule["KV"])
+
+    def select(self, ksel: KernelSelection):
+        _declare_args(self.kernel, ksel)
+        tensors, _ = _ksel_values(self.kernel, ksel)
+        _select(self.kernel, ksel, self._types(tensors))
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        tensors, attrs = _ksel_values(self.kernel, ksel)
+        types = self._types(tensors)
+        name = "_".join(["turbine_fmha", self.kernel.name, types.dtypes["Q"], types.dtypes["KV"]])
+        name += "".join(f"_{k}{v}" for k, v in attrs.items())
+        _generate(
+            kb,
+            self.kernel.name,
+            name,
+            len(self.kernel.args),
+            sig=sig.mlir_header(self.kernel, list(self.kernel.args), types),
+            PAGE_AXIS=attrs.get("page_axis", 0),
+        )
+
+
+class GuardPaged(_Guard):
+    kernel = sig.GUARD_PAGED
+    signature = sig.custom_op_signature(sig.GUARD_PAGED, "turbine_fmha_guard_paged")
+
+
+class GuardWrite(_Guard):
+    kernel = sig.GUARD_WRITE
+    signature = sig.custom_op_signature(sig.GUARD_WRITE, "turbine_fmha_guard_write")
 
 
 def _registered(cls) -> CustomOp:

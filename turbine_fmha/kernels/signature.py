@@ -174,6 +174,55 @@ APPEND_ROTARY = Kernel(
     results=APPEND.results + (Tensor("q_out", ("TQ", "HQ", "D"), "KV"),),
 )
 
+# The guards an exported program runs before it touches its inputs
+# (api/exported.py). A program's sizes are fixed by nothing but its
+# arguments' buffers at run time: sizes that share one symbol when
+# exporting (q's batch and the tables' rows, K's and V's page counts) may
+# differ when it runs, and the kernels and torch's ops inside the program
+# index one tensor by another's size. Each guard fails the invocation
+# (cf.assert) where such sizes disagree, before any dispatch reads them.
+# They are no artifacts: KERNEL_ABI leaves them out.
+#
+# The attention's guard also returns each sequence's seqlen_k cut where
+# the table stops serving it (page_axis: the caches' page-size axis): at
+# its first used slot whose page id is outside k_cache, and at the table's
+# width, so that no key is read through a page id the caller did not mean.
+GUARD_PAGED = Kernel(
+    "guard_paged",
+    args=(
+        Tensor("q", ("B", "S", "HQ", "D"), "Q"),
+        Tensor("k_cache", ("NP", "K1", "K2", "K3"), "KV"),
+        Tensor("v_cache", ("NP", "V1", "V2", "V3"), "KV"),
+        Tensor("block_table", ("B", "W"), "i32"),
+        Tensor("seqlen_k", ("B",), "i32"),
+    ),
+    attrs=(Attr("page_axis", "int"),),
+    results=(Tensor("seqlen_k_cut", ("B",), "i32"),),
+)
+
+# The cache write's guard: k, v and the slots ([T] i64) have one token
+# count, and each cache has a page (a skipped token is redirected onto
+# row 0).
+GUARD_WRITE = Kernel(
+    "guard_write",
+    args=(
+        Tensor("k", ("T", "KH", "KD"), "KV"),
+        Tensor("v", ("T", "VH", "VD"), "KV"),
+        Tensor("k_cache", ("NK", "K1", "K2", "K3"), "KV"),
+        Tensor("v_cache", ("NV", "V1", "V2", "V3"), "KV"),
+        Tensor("slots", ("T",), "i64"),
+    ),
+    attrs=(),
+    results=(Tensor("slots_out", ("T",), "i64"),),
+)
+
+
+def guard_types(q_dtype: str, kv_dtype: str) -> Types:
+    """A guard's declaration bound: every size dynamic."""
+    names = {d for k in (GUARD_PAGED, GUARD_WRITE) for t in k.args + k.results for d in t.dims}
+    return Types({d: "?" for d in names}, {"Q": q_dtype, "KV": kv_dtype, "i32": "i32", "i64": "i64"})
+
+
 # The attention kernels' tensor arguments in call order; the optional ones
 # are passed only where the variant has them (call_args).
 KERNEL_ARGS = tuple(a.name for a in FWD.args)
