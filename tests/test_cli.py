@@ -291,3 +291,97 @@ def test_build_progress_bar_redraws_one_line_on_a_terminal():
     # Not a terminal (CI logs): one plain line per artifact.
     assert log.getvalue().count("\n") == 3 and "\r" not in log.getvalue()
     assert "FAILED" in log.getvalue().splitlines()[1]
+
+
+def test_inspect_abi_needs_the_artifact(tmp_path, monkeypatch, capsys):
+    """inspect --abi reads the artifact directory like inspect: a variant
+    (or target) it lacks is an error, not an ABI derived from the name as
+    if the artifact were there; --from-name asks for the name's ABI."""
+    from turbine_fmha.kernels import abi
+    from turbine_fmha.kernels.variants import parse_kernel
+
+    d, name = _manifest_dir(tmp_path)
+    unbuilt = name.replace("_pg16_", "_pg32_")
+    missing = tmp_path / "missing"
+    monkeypatch.setenv("TURBINE_FMHA_ARTIFACTS", str(missing))
+    for argv, words in (
+        ([unbuilt, "--artifacts", str(d)], f"no artifact {unbuilt} in {d}"),
+        (
+            [name, "--artifacts", str(d), "--target", "gfx942"],
+            f"no artifact {name} for gfx942 in {d} (only for cuda, host)",
+        ),
+        ([name], str(missing)),  # the default directory, not built yet
+        ([name, "--from-name", "--artifacts", str(d)], "--from-name reads no artifact directory"),
+        ([name, "--from-name", "--target", "host"], "--from-name reads no artifact directory"),
+    ):
+        assert cli(["inspect", "--abi", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, (argv, err)
+    assert cli(["inspect", name, "--from-name", "--artifacts", str(d)]) == 2
+    assert "--from-name describes a name's ABI: give it with --abi" in capsys.readouterr().err
+    for argv in ([name, "--artifacts", str(d), "--target", "cuda"], [unbuilt, "--from-name"]):
+        assert cli(["inspect", "--abi", "--json", *argv]) == 0, argv
+        assert json.loads(capsys.readouterr().out) == abi.describe(parse_kernel(argv[0]))
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            json.dumps(dict(num_attention_heads=32, num_key_value_heads=6, head_dim=64, torch_dtype="float16")),
+            "num_attention_heads (32) must be a multiple of num_key_value_heads (6)",
+        ),
+        ("[" * 100000 + "]" * 100000, "its JSON is nested too deeply"),
+        ('{"a": ' * 100000 + "1" + "}" * 100000, "its JSON is nested too deeply"),
+        (json.dumps(dict(num_attention_heads=2**63, head_dim=64)), "num_attention_heads must be a positive integer"),
+        (json.dumps(dict(num_attention_heads=-8, head_dim=64)), "num_attention_heads must be a positive integer"),
+        (json.dumps(dict(num_attention_heads=8, head_dim=64.0)), "head_dim must be a positive integer"),
+        (json.dumps(dict(num_attention_heads=8, head_dim=True)), "head_dim must be a positive integer"),
+        (json.dumps(dict(num_attention_heads=8, head_dim="64")), "head_dim must be a positive integer"),
+        (json.dumps(dict(num_attention_heads=8, hidden_size=2**70)), "hidden_size must be a positive integer"),
+        (json.dumps(dict(num_attention_heads=8, head_dim=64, torch_dtype={})), "torch_dtype {}"),
+    ],
+)
+def test_build_model_config_errors_name_the_file_and_key(tmp_path, monkeypatch, capsys, text, words):
+    import turbine_fmha.build.aot as tfb
+
+    def no_build(*a, **k):
+        raise AssertionError("a bad config reached the build")
+
+    monkeypatch.setattr(tfb, "build", no_build)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(text)
+    assert cli(["build", "--model-config", str(cfg), "--artifacts", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {cfg}: {words}" in err, err
+
+
+def test_build_counts_repeated_list_values_once(tmp_path, monkeypatch, capsys):
+    """--page 16,16 (or a target or variant given twice) would compile each
+    kernel twice and report twice the artifacts the manifest lists."""
+    import turbine_fmha.build.aot as tfb
+    import turbine_fmha.build.artifacts as artifacts
+
+    plans = []
+
+    def planned_build(out, targets, variants, **kw):
+        plan = tfb._build_plan(targets, variants)
+        plans.append(plan)
+        return [tfb.BuildResult(v.name, t.name, {}, rebuilt=True) for v, t in plan]
+
+    monkeypatch.setattr(tfb, "build", planned_build)
+    monkeypatch.setattr(artifacts, "manifest_digest", lambda out: "0" * 64)
+    out = ["--artifacts", str(tmp_path / "a")]
+    name = "pagedkv_fwd_f32_d32x32_h2x1_pg16_nmask_lse_explicit"
+    for argv, count in (
+        (["--nhead-q", "4", "--hdim", "64", "--page", "16,16"], 4),
+        (["--nhead-q", "4", "--hdim", "64", "--page", "16,32,16", "--targets", "host,host"], 8),
+        (["--variants", f"{name},{name}", "--targets", "host,host"], 1),
+    ):
+        assert cli(["build", *argv, *out]) == 0, argv
+        err = capsys.readouterr().err
+        plan = plans.pop()
+        assert len(plan) == len({(v.name, t.name) for v, t in plan}) == count, argv
+        assert f"\n{count} artifacts in " in "\n" + err, err
+        if "--page" in argv:
+            assert f"pages {argv[argv.index('--page') + 1].split(',')[0]}" in err

@@ -10,6 +10,7 @@ import pytest
 
 import turbine_fmha
 from turbine_fmha.build.model_set import ModelShape, model_variants, read_config, shape_from_config
+from turbine_fmha.build.targets import get_target
 from turbine_fmha.kernels.append_kernel import AppendKernel
 from turbine_fmha.kernels.signature import KERNEL_ABI
 from turbine_fmha.kernels.variants import MERGED_DECODE_TILES, Variant
@@ -38,15 +39,28 @@ def test_shape_from_hf_configs():
         (dict(LLAMA, num_attention_heads=None), "num_attention_heads is missing"),
         (dict(LLAMA, hidden_size=1000), "hidden_size (1000) is not a multiple"),
         (dict(LLAMA, num_key_value_heads=0), "num_key_value_heads must be a positive integer"),
-        (dict(LLAMA, num_key_value_heads=5), "nhead_q (32) must be a multiple of nhead_k (5)"),
+        (dict(LLAMA, num_key_value_heads=5), "num_attention_heads (32) must be a multiple of num_key_value_heads (5)"),
+        (dict(LLAMA, num_key_value_heads=6), "num_attention_heads (32) must be a multiple of num_key_value_heads (6)"),
         (dict(LLAMA, torch_dtype="int8"), "torch_dtype 'int8'"),
+        (dict(LLAMA, torch_dtype=["bfloat16"]), "torch_dtype ['bfloat16']"),
         ({k: v for k, v in LLAMA.items() if k != "torch_dtype"}, "torch_dtype None"),
+        # Each key's type and range, before any use of it (2**63 heads
+        # overflowed torch deep in the build).
+        (dict(LLAMA, num_attention_heads=2**63), "num_attention_heads must be a positive integer up to 2147483647"),
+        (dict(LLAMA, num_attention_heads=-32), "num_attention_heads must be a positive integer"),
+        (dict(LLAMA, num_attention_heads=32.0), "num_attention_heads must be a positive integer"),
+        (dict(LLAMA, num_attention_heads=True), "num_attention_heads must be a positive integer"),
+        (dict(LLAMA, num_attention_heads="32"), "num_attention_heads must be a positive integer"),
+        (dict(LLAMA, num_key_value_heads=10**30), "num_key_value_heads must be a positive integer up to"),
+        (dict(LLAMA, head_dim=2**40), "head_dim must be a positive integer up to"),
+        (dict(LLAMA, hidden_size=2**70), "hidden_size must be a positive integer up to"),
+        (dict(LLAMA, hidden_size=[4096]), "hidden_size must be a positive integer"),
     ],
 )
 def test_bad_configs_name_the_key(config, words):
     with pytest.raises(ValueError, match=None) as e:
         shape_from_config(config, source="cfg.json")
-    assert words in str(e.value)
+    assert str(e.value).startswith("cfg.json: ") and words in str(e.value)
 
 
 def test_read_config_errors_name_the_file(tmp_path):
@@ -57,8 +71,24 @@ def test_read_config_errors_name_the_file(tmp_path):
     bad.write_text("[1]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         read_config(bad)
+    for deep in ("[" * 100000 + "]" * 100000, '{"a": ' * 100000 + "1" + "}" * 100000):
+        bad.write_text(deep)
+        with pytest.raises(ValueError, match="config.json: its JSON is nested too deeply"):
+            read_config(bad)
     bad.write_text(json.dumps(LLAMA))
     assert read_config(bad) == LLAMA
+
+
+@pytest.fixture
+def one_gpu_each(monkeypatch):
+    """The GPU targets' cases make a session of the target's own device on
+    this GPU-less machine: IREE's cuda and hip drivers, as Session() checks
+    them (the device list it keeps per driver), list one GPU each. Nothing
+    opens one: selection reads only the manifest."""
+    import turbine_fmha.runtime.session as session_mod
+
+    for driver in ("cuda", "hip"):
+        monkeypatch.setitem(session_mod._DRIVER_DEVICES, driver, [{"device_id": 1, "path": "", "name": "stand-in"}])
 
 
 def _session_over(tmp_path, target: str, kernels) -> turbine_fmha.Session:
@@ -76,7 +106,8 @@ def _session_over(tmp_path, target: str, kernels) -> turbine_fmha.Session:
         for k in kernels
     ]
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
-    return turbine_fmha.Session("cpu", artifact_dir=tmp_path, target=target)
+    device = {"cpu": "cpu", "cuda": "cuda", "rocm": "hip"}[get_target(target).kind]
+    return turbine_fmha.Session(device, artifact_dir=tmp_path, target=target)
 
 
 def _calls(shape: ModelShape, online: bool):
@@ -153,7 +184,7 @@ def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:
         ("host", ModelShape(8, 2, 128, 128, "f16", (64,), kv_layout="HND")),
     ],
 )
-def test_model_set_is_what_the_models_calls_select(tmp_path, target, shape):
+def test_model_set_is_what_the_models_calls_select(tmp_path, one_gpu_each, target, shape):
     """Every call of the model finds its variant in the set, and every
     attention variant in the set serves some call: the set is the
     runtime's own choice, not a guess."""
@@ -182,3 +213,14 @@ def test_model_shape_rejects_bad_values():
         ModelShape(8, 8, 64, 64, "f8e4m3fn")
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         ModelShape(8, 8, 64, 64, "f16", kv_layout="hnd")
+    with pytest.raises(ValueError, match="nhead_q must be a positive integer up to 2147483647"):
+        ModelShape(2**63, 8, 64, 64, "f16")
+
+
+def test_repeated_pages_count_once():
+    """Pages 16,16 would build (and count) each page-16 kernel twice."""
+    shape = ModelShape(8, 2, 64, 64, "f16", (16, 64, 16))
+    assert shape == ModelShape(8, 2, 64, 64, "f16", (16, 64))
+    kernels = model_variants(shape, "host")
+    assert len(kernels) == len(set(kernels))
+    assert shape_from_config(LLAMA, pages=[16, 16]).pages == (16,)

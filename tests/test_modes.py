@@ -415,3 +415,42 @@ def test_available_variants_skips_append_kernels(tmp_path):
     assert all(isinstance(v, Variant) for v in s2.available_variants())  # and no raise
     k = np.zeros((1, 32, 2, 64), np.float16)
     turbine_fmha.fmha_fwd_kvcache(np.zeros((1, 1, 4, 64), np.float16), k, k, np.array([3], np.int32), session=s2)
+
+
+@pytest.mark.parametrize("as_torch", [False, True])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("seqlens", [None, 0, "array"])
+def test_kvcache_with_no_rows(explicit_session, rng, as_torch, return_lse, seqlens):
+    """A cache of zero rows (ck_tile's -s_k=0): every row sees no key, so
+    output 0 and LSE -inf, as the reference gives over an unread page."""
+    q = rng.standard_normal((2, 3, 4, 64)).astype(np.float16)
+    k = np.zeros((2, 0, 2, 64), np.float16)
+    sk = np.zeros(2, np.int32) if seqlens == "array" else seqlens
+    if as_torch:
+        torch = pytest.importorskip("torch")
+        q, k, sk = torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(sk) if seqlens == "array" else sk
+    kw = dict(mask_type="bottom_right", window_size_right=0)
+    res = turbine_fmha.fmha_fwd_kvcache(
+        q, k, k, cache_seqlens=sk, return_lse=return_lse, session=explicit_session, **kw
+    )
+    out, lse = res if return_lse else (res, None)
+    assert type(out) is type(q) and tuple(out.shape) == (2, 3, 4, 64)
+    page = np.full((1, 1, 2, 64), np.nan, np.float16)  # the reference must not read it either
+    ref, ref_lse = fmha_fwd_paged_ref(
+        np.asarray(q), page, page, np.zeros((2, 1), np.int32), np.zeros(2, np.int32), **kw
+    )
+    assert not ref.any() and np.isneginf(ref_lse).all()
+    if return_lse:
+        _check(np.asarray(out), np.asarray(lse), ref, ref_lse, "f16")
+    else:
+        np.testing.assert_array_equal(np.asarray(out, np.float64), ref)
+
+
+@pytest.mark.parametrize("name", ["seqlen_k", "cache_seqlens"])
+@pytest.mark.parametrize("given", [3, np.array([0, 2], np.int32)])
+def test_kvcache_keys_over_no_rows(trap, name, given):
+    q = np.zeros((2, 1, 4, 64), np.float16)
+    k = np.zeros((2, 0, 2, 64), np.float16)
+    b = 1 if isinstance(given, np.ndarray) else 0
+    with pytest.raises(ValueError, match=rf"seqlen_k\[{b}\] = \d+ .*k_cache has no rows"):
+        turbine_fmha.fmha_fwd_kvcache(q, k, k, **{name: given}, session=trap)

@@ -156,7 +156,10 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, 
             raise ValueError(f"{name}={kwargs[name]!r} is supported for paged caches only (fmha_fwd_paged)")
     if kwargs.get("session") is None:
         kwargs["session"] = default_session(kwargs.get("device") or "cpu")
-    k_pages, v_pages, block_table, sk = paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, kwargs["session"])
+    name = "cache_seqlens" if cache_seqlens is not None else "seqlen_k"
+    k_pages, v_pages, block_table, sk = paged_view(
+        k_cache, v_cache, seqlen_k, cache_batch_idx, kwargs["session"], name=name
+    )
     return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 
 

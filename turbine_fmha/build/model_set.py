@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 from pathlib import Path
 
 from ..kernels.append_kernel import AppendKernel
@@ -23,6 +24,11 @@ from .targets import Target, get_target
 HF_DTYPES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32"}
 MODEL_DTYPES = ("f16", "bf16", "f32")
 DEFAULT_MODEL_PAGES = (16,)
+# The largest 32-bit int, far above any real model's head counts and dims
+# (hundreds at most): larger values come from a corrupt or mistyped config,
+# and failed deep in the build (2**63 heads overflowed torch while
+# exporting) instead of naming the key.
+MAX_MODEL_DIM = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +48,9 @@ class ModelShape:
             raise ValueError("pages must name at least one page size")
         for p in self.pages:
             _positive(p, "pages")
+        # A page size given twice would build (and count) each of its
+        # kernels twice.
+        object.__setattr__(self, "pages", tuple(dict.fromkeys(self.pages)))
         if self.nhead_q % self.nhead_k:
             raise ValueError(f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})")
         if self.dtype not in MODEL_DTYPES:
@@ -51,8 +60,18 @@ class ModelShape:
 
 
 def _positive(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_MODEL_DIM:
+        raise ValueError(f"{name} must be a positive integer up to {MAX_MODEL_DIM}, got {_shown(value)}")
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlong = _SHORT.maxstring = 40
+
+
+def _shown(value) -> str:
+    """repr(value), cut short: a config's value may be a huge number, a long
+    string or a deep structure, and errors are one line."""
+    return _SHORT.repr(value)
 
 
 def model_variants(shape: ModelShape, target: Target | str) -> list[Variant | AppendKernel]:
@@ -78,6 +97,12 @@ def read_config(path: str | Path) -> dict:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a JSON file: {e}") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path}: its JSON is nested too deeply to read; a model config is a few levels deep"
+        ) from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ValueError(f"{path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level")
     return data
@@ -89,39 +114,57 @@ def shape_from_config(config: dict, *, source: str = "config", **overrides) -> M
     hidden_size / num_attention_heads) and torch_dtype (or dtype). A
     multimodal config's text_config is read when the top level has no
     attention heads. `overrides` (nhead_q, nhead_k, hdim_q, hdim_v, dtype,
-    pages, kv_layout), where not None, win over the config. Errors name `source` and
-    the key."""
+    pages, kv_layout), where not None, win over the config. Each key read
+    is checked (a positive integer, at most MAX_MODEL_DIM) before it is
+    used; errors name `source` and the key (an override by its name)."""
     if "num_attention_heads" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
     given = {k: v for k, v in overrides.items() if v is not None}
+    named = {}  # field -> the key (or override) its value came from
 
-    def key(name):
-        value = config.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
-        return value
+    def value(field, key):
+        if field in given:
+            _positive(given[field], field)
+            named[field] = field
+            return given[field]
+        v = config.get(key)
+        if v is not None:
+            try:
+                _positive(v, key)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+            named[field] = key
+        return v
 
-    nhead_q = given.get("nhead_q") or key("num_attention_heads")
+    nhead_q = value("nhead_q", "num_attention_heads")
     if nhead_q is None:
         raise ValueError(f"{source}: num_attention_heads is missing")
-    hdim = given.get("hdim_q") or key("head_dim")
+    nhead_k = value("nhead_k", "num_key_value_heads")
+    if nhead_k is None:
+        nhead_k, named["nhead_k"] = nhead_q, named["nhead_q"]
+    hdim = value("hdim_q", "head_dim")
     if hdim is None:
-        hidden = key("hidden_size")
+        hidden = value("hidden_size", "hidden_size")
         if hidden is None or hidden % nhead_q:
             raise ValueError(
                 f"{source}: head_dim is missing and hidden_size ({hidden}) is not a multiple of "
-                f"num_attention_heads ({nhead_q})"
+                f"{named['nhead_q']} ({nhead_q})"
             )
         hdim = hidden // nhead_q
+    if nhead_q % nhead_k:
+        raise ValueError(
+            f"{source}: {named['nhead_q']} ({nhead_q}) must be a multiple of {named['nhead_k']} ({nhead_k})"
+        )
     dtype = given.get("dtype")
     if dtype is None:
-        name = config.get("torch_dtype", config.get("dtype"))
-        if name not in HF_DTYPES:
-            raise ValueError(f"{source}: torch_dtype {name!r} is not one of {sorted(HF_DTYPES)}; give the dtype")
+        key = "torch_dtype" if config.get("torch_dtype") is not None or "dtype" not in config else "dtype"
+        name = config.get(key)
+        if not isinstance(name, str) or name not in HF_DTYPES:
+            raise ValueError(f"{source}: {key} {_shown(name)} is not one of {sorted(HF_DTYPES)}; give the dtype")
         dtype = HF_DTYPES[name]
     return ModelShape(
         nhead_q=nhead_q,
-        nhead_k=given.get("nhead_k") or key("num_key_value_heads") or nhead_q,
+        nhead_k=nhead_k,
         hdim_q=hdim,
         hdim_v=given.get("hdim_v") or hdim,
         dtype=dtype,

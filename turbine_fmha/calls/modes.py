@@ -65,23 +65,30 @@ def bias_rows(bias: np.ndarray, t: Tables, active: np.ndarray, rows: int, shift:
 VIEW_PAGES = (128, 64, 32, 16, 1)
 
 
-def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session):
+def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session, name="seqlen_k"):
     """(k pages, v pages, block_table, seqlen_k) over a non-paged cache
     [batch_cache, max_seqlen_k, nhead_k, hdim], without copying it: pages of
     the largest size that divides max_seqlen_k and that the session has
     kernels for (GPU default sets have pages 16 and 64 only), else the
-    largest. torch caches stay torch views on their device."""
+    largest. torch caches stay torch views on their device. A cache of no
+    rows (max_seqlen_k 0) has no page to view: one zero page stands in,
+    never read since every seqlen_k is then 0. `name` is the seqlen_k
+    argument's name in errors (cache_seqlens is flash-attn's)."""
     k_src = k_cache if _is_torch(k_cache) else _to_numpy(k_cache, "k_cache")
     v_src = v_cache if _is_torch(v_cache) else _to_numpy(v_cache, "v_cache")
-    for name, a in (("k_cache", k_src), ("v_cache", v_src)):
+    for cache, a in (("k_cache", k_src), ("v_cache", v_src)):
         if a.ndim != 4:
-            raise ValueError(f"{name} must have 4 dims [batch_cache, max_seqlen_k, nhead_k, hdim], got shape {a.shape}")
+            raise ValueError(
+                f"{cache} must have 4 dims [batch_cache, max_seqlen_k, nhead_k, hdim], got shape {a.shape}"
+            )
     if tuple(v_src.shape[:3]) != tuple(k_src.shape[:3]):
         raise ValueError(f"v_cache shape {v_src.shape} must match k_cache {k_src.shape} in its first 3 dims")
     batch_cache, max_sk = k_src.shape[:2]
-    sk = int_array(seqlen_k, "seqlen_k", 1)
-    rows_idx = _cache_rows(sk, cache_batch_idx, batch_cache, max_sk)
-    fits = [p for p in VIEW_PAGES if max_sk % p == 0] if max_sk else [1]
+    sk = int_array(seqlen_k, name, 1)
+    rows_idx = _cache_rows(sk, cache_batch_idx, batch_cache, max_sk, name)
+    # An empty cache may be viewed as pages of any size: one row is the
+    # least to allocate, unless the session serves other sizes only.
+    fits = [p for p in VIEW_PAGES if max_sk % p == 0] if max_sk else [1, *VIEW_PAGES[:-1]]
     served = (
         set()
         if getattr(session, "compile_missing", True)
@@ -92,23 +99,34 @@ def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session):
         }
     )
     page = next((p for p in fits if p in served), fits[0])
-    per_row = max(1, max_sk // page)
+    if not max_sk:
+        return _zero_page(k_src, page), _zero_page(v_src, page), np.zeros((sk.shape[0], 1), np.int32), sk
+    per_row = max_sk // page
 
     def pages_of(a):
         a = a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
-        return (
-            a.reshape(batch_cache * per_row, page, *a.shape[2:]) if max_sk else a.reshape(batch_cache, 1, *a.shape[2:])
-        )
+        return a.reshape(batch_cache * per_row, page, *a.shape[2:])
 
     block_table = (rows_idx[:, None] * per_row + np.arange(per_row)[None, :]).astype(np.int32)
     return pages_of(k_src), pages_of(v_src), block_table, sk
 
 
-def _cache_rows(sk: np.ndarray, cache_batch_idx, batch_cache: int, max_sk: int) -> np.ndarray:
+def _zero_page(a, page: int):
+    """One page [1, page, nhead_k, hdim] of zeros in a's dtype, on its device."""
+    shape = (1, page, *a.shape[2:])
+    if _is_torch(a):
+        import torch
+
+        return torch.zeros(shape, dtype=a.dtype, device=a.device)
+    return np.zeros(shape, a.dtype)
+
+
+def _cache_rows(sk: np.ndarray, cache_batch_idx, batch_cache: int, max_sk: int, name: str) -> np.ndarray:
     batch = sk.shape[0]
     if batch and (sk.max() > max_sk or sk.min() < 0):
         b = int(np.argmax(sk)) if sk.max() > max_sk else int(np.argmin(sk))
-        raise ValueError(f"seqlen_k[{b}] = {sk[b]} must be in [0, max_seqlen_k = {max_sk}]")
+        empty = " (k_cache has no rows: k_cache.shape[1] is 0)" if not max_sk else ""
+        raise ValueError(f"{name}[{b}] = {sk[b]} must be in [0, max_seqlen_k = {max_sk}]{empty}")
     if cache_batch_idx is None:
         if batch > batch_cache:
             raise ValueError(f"batch {batch} exceeds the cache's {batch_cache} rows; pass cache_batch_idx")

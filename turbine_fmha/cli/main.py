@@ -55,14 +55,10 @@ def _cmd_list(args) -> int:
 def _cmd_inspect(args) -> int:
     if args.abi:
         return _inspect_abi(args)
+    if args.from_name:
+        raise CliError("--from-name describes a name's ABI: give it with --abi")
     m = _manifest(args)
-    hits = [
-        a for a in m["artifacts"] if a["variant"] == args.variant and (not args.target or a["target"] == args.target)
-    ]
-    if not hits:
-        raise CliError(
-            f"no artifact {args.variant}{' for ' + args.target if args.target else ''} in {artifact_dir(args)}"
-        )
+    hits = _entries(args, m)
     if args.json:
         # One object for one match; several (one per target) as a list.
         emit_json(hits[0] if len(hits) == 1 else hits)
@@ -78,25 +74,42 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
-def _inspect_abi(args) -> int:
-    """The ABI of `args.variant`: as its manifest entry records it where
-    the artifact directory has one, else derived from the name (the same
-    description: kernels/abi.py)."""
-    from ..build.artifacts import read_manifest
-    from ..kernels import abi
-    from ..kernels.variants import parse_kernel
+def _entries(args, m: dict, hint: str = "") -> list[dict]:
+    """The manifest entries of args.variant (on args.target where given);
+    the error says what the artifact directory lacks."""
+    named = [a for a in m["artifacts"] if a["variant"] == args.variant]
+    hits = [a for a in named if not args.target or a["target"] == args.target]
+    if not hits:
+        held = f" (only for {', '.join(sorted({a['target'] for a in named}))})" if named else ""
+        raise CliError(
+            f"no artifact {args.variant}{' for ' + args.target if args.target else ''} in {artifact_dir(args)}"
+            f"{held}{hint}"
+        )
+    return hits
 
-    d = artifact_dir(args, may_be_missing=True)
-    m = read_manifest(d)
-    entries = [] if m is None else [a for a in m.artifacts if a["variant"] == args.variant and "abi" in a]
-    entries = [a for a in entries if not args.target or a["target"] == args.target]
-    if entries and "abi" in m.data:
-        described = abi.join(entries[0]["abi"], m.data["abi"])
+
+def _inspect_abi(args) -> int:
+    """The ABI of `args.variant`: as the artifact directory's manifest
+    records it, which must hold the variant (on --target where given): an
+    ABI printed for an artifact that is not there would read as if it
+    were. --from-name describes the name alone, reading no directory (the
+    same description: kernels/abi.py)."""
+    from ..kernels import abi
+
+    if args.from_name:
+        if args.artifacts is not None or args.target:
+            raise CliError(
+                "--from-name reads no artifact directory: it cannot be combined with --artifacts or --target"
+            )
+        described = _abi_of_name(args.variant)
     else:
-        try:
-            described = abi.describe(parse_kernel(args.variant))
-        except ValueError as e:
-            raise CliError(f"{args.variant}: {e}") from None
+        m = _manifest(args)
+        entry = _entries(args, m, "; `inspect --abi --from-name` describes a name without its artifact")[0]
+        if "abi" in entry and "abi" in m:
+            described = abi.join(entry["abi"], m["abi"])
+        else:  # a manifest written before the ABI was recorded in it
+            print(f"{args.variant}: the manifest records no ABI; derived from the name", file=sys.stderr)
+            described = _abi_of_name(args.variant)
     if args.json:
         emit_json(described)
     else:
@@ -104,11 +117,23 @@ def _inspect_abi(args) -> int:
     return 0
 
 
+def _abi_of_name(name: str) -> dict:
+    from ..kernels import abi
+    from ..kernels.variants import parse_kernel
+
+    try:
+        return abi.describe(parse_kernel(name))
+    except ValueError as e:
+        raise CliError(f"{name}: {e}") from None
+
+
 def _cmd_build(args) -> int:
     from ..build.aot import ProgressBar, build
     from ..build.artifacts import manifest_digest
 
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    # A repeated target or variant would be built, and counted, twice for
+    # one manifest entry.
+    targets = _unique(t.strip() for t in args.targets.split(",") if t.strip())
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise CliError(
@@ -147,9 +172,14 @@ def _named_variants(args):
     if not args.variants:
         return None  # each target's default set
     try:
-        return [parse_kernel(n.strip()) for n in args.variants.split(",") if n.strip()]
+        return _unique(parse_kernel(n.strip()) for n in args.variants.split(",") if n.strip())
     except ValueError as e:
         raise CliError(f"--variants: {e}") from None
+
+
+def _unique(items) -> list:
+    """items in their order, each once."""
+    return list(dict.fromkeys(items))
 
 
 _MODEL_FLAGS = ("model_config", "nhead_q", "nhead_k", "hdim", "hdim_v", "dtype", "page", "kv_layout")
@@ -207,9 +237,13 @@ def _build_parser(sub) -> None:
     from ..kernels.variants import KV_LAYOUTS
 
     b = sub.add_parser("build", help="compile variants ahead of time")
-    b.add_argument("--targets", default="host", help=f"comma list of: {', '.join(TARGETS)}")
+    b.add_argument("--targets", default="host", help=f"comma list of: {', '.join(TARGETS)} (repeats count once)")
     _artifacts_option(b, "; created if missing")
-    b.add_argument("--variants", default="", help="comma list of variant names (default: each target's default set)")
+    b.add_argument(
+        "--variants",
+        default="",
+        help="comma list of variant names (default: each target's default set; repeats count once)",
+    )
     b.add_argument("--jobs", type=positive_int, default=None)
     b.add_argument("--force", action="store_true", help="rebuild even when unchanged")
     m = b.add_argument_group(
@@ -228,7 +262,9 @@ def _build_parser(sub) -> None:
     m.add_argument("--hdim", type=positive_int, default=None)
     m.add_argument("--hdim-v", type=positive_int, default=None, help="default: --hdim")
     m.add_argument("--dtype", default=None, choices=["f16", "bf16", "f32"], help="default: the config's, else f16")
-    m.add_argument("--page", type=int_list(1), default=None, help="comma list of page sizes (default 16)")
+    m.add_argument(
+        "--page", type=int_list(1), default=None, help="comma list of page sizes (default 16; repeats count once)"
+    )
     m.add_argument(
         "--kv-layout",
         default=None,
@@ -256,7 +292,13 @@ def parser() -> argparse.ArgumentParser:
     ins.add_argument(
         "--abi",
         action="store_true",
-        help="the function's ABI: arguments, results, packed scalars, preconditions, planning (docs/abi.md)",
+        help="the function's ABI: arguments, results, packed scalars, preconditions, planning (docs/abi.md), "
+        "as the manifest records it; the artifact directory must hold the variant (for --target where given)",
+    )
+    ins.add_argument(
+        "--from-name",
+        action="store_true",
+        help="with --abi: the ABI the variant's name describes, for a kernel not built; reads no artifact directory",
     )
     ins.set_defaults(fn=_cmd_inspect)
     add_problem_commands(sub, _artifacts_option)
