@@ -227,3 +227,26 @@ def test_int64_ids_and_lengths_never_wrap_into_range(rng):
     cut[1] = bt.shape[1] * SHAPE["page"]
     ref = fmha_fwd_paged_ref(q, k, v, bt.astype(np.int32), cut.astype(np.int32), **CAUSAL)[0]
     assert np.abs(out - ref).max() / np.abs(ref).max() <= OUT_TOL["f16"]
+
+
+@pytest.mark.parametrize("backend, flag", [("cuda", "--iree-cuda-target=sm_80"), ("rocm", "--iree-rocm-target=gfx942")])
+def test_guarded_programs_compile_for_the_gpus(rng, backend, flag):
+    """The guards' checks and reductions compile on every GPU target
+    (compile-only here: an i64 min over tokens failed to distribute on
+    CUDA): a cache write, the explicit decode with dynamic sizes and the
+    online decode."""
+    import iree.compiler as ic
+
+    k0 = np.zeros((4, 16, 2, 8), np.float16)
+    t = torch.export.Dim("tokens")
+    rows = tuple(torch.zeros(3, 2, 8, dtype=torch.float16) for _ in range(2))
+    write = aot.export(Write(k0, k0, "NHD"), args=(*rows, torch.arange(3)), dynamic_shapes=[{0: t}, {0: t}, {0: t}])
+    prob = tuple(_numpy_to_torch(a) for a in make_problem(rng, batch=3, seqlens_k=[40, 9, 17], **SHAPE))
+    b, p, w = torch.export.Dim("batch"), torch.export.Dim("pages"), torch.export.Dim("width")
+    explicit = aot.export(
+        Attention(causal=True), args=prob, dynamic_shapes=[{0: b}, {0: p}, {0: p}, {0: b, 1: w}, {0: b}]
+    )
+    with turbine_fmha.export_options(formulation="online"):
+        online = aot.export(Attention(causal=True), args=prob)
+    for program in (write, explicit, online):
+        ic.compile_str(str(program.mlir_module), target_backends=[backend], extra_args=[flag])
