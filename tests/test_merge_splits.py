@@ -26,6 +26,17 @@ def _session(**kw):
     )
 
 
+@pytest.fixture
+def one_cuda_gpu(monkeypatch):
+    """Selection tests below make a cuda session on this GPU-less machine:
+    IREE's cuda driver, as Session() checks it (the device list it keeps
+    per driver), lists one GPU. Nothing opens it: selection reads only the
+    manifest."""
+    import turbine_fmha.runtime.session as session_mod
+
+    monkeypatch.setitem(session_mod._DRIVER_DEVICES, "cuda", [{"device_id": 1, "path": "", "name": "stand-in"}])
+
+
 def _problem(rng, dtype, seqlens_k):
     return make_problem(
         rng, dtype=dtype, batch=len(seqlens_k), seqlen_q=1, seqlens_k=seqlens_k, nhead_q=8, nhead_k=2, hdim=64, page=16
@@ -184,7 +195,7 @@ def test_merge_splits_field():
             Variant(**p, **bad)
 
 
-def test_decode_selection_prefers_one_launch(tmp_path):
+def test_decode_selection_prefers_one_launch(tmp_path, one_cuda_gpu):
     """A decode takes one launch of a larger tile over several of a smaller
     one (each launch more is host time per call); a prefill still takes the
     least padding."""
@@ -207,7 +218,7 @@ def test_decode_selection_prefers_one_launch(tmp_path):
         for k in kernels
     ]
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
-    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
+    s = turbine_fmha.Session("cuda", artifact_dir=tmp_path)
     assert s.select(p, 1, 40).batch_tile == 64  # not 5 launches of 8
     assert s.select(p, 1, 8).batch_tile == 8
     assert s.select(p, 1, 64, merge=8).batch_tile == 128  # not 2 launches of 32
@@ -215,7 +226,7 @@ def test_decode_selection_prefers_one_launch(tmp_path):
     assert s.select(p, 200, 1).seqlen_q_tile == 128  # prefill: 2 x 128 rows, not 4096
 
 
-def test_causal_prefill_skips_masked_blocks_in_1024_row_chunks(tmp_path):
+def test_causal_prefill_skips_masked_blocks_in_1024_row_chunks(tmp_path, one_cuda_gpu):
     """A long prefill whose mask has a right edge runs in 1024-row chunks,
     each cut at its diagonal (3.60 against 4.12 ms for one 4096-row call on
     the H200); without a right edge one launch covers it; a short one keeps
@@ -239,7 +250,7 @@ def test_causal_prefill_skips_masked_blocks_in_1024_row_chunks(tmp_path):
         for k in kernels
     ]
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
-    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
+    s = turbine_fmha.Session("cuda", artifact_dir=tmp_path)
     assert s.select(p, 4096, 1, skips_masked=True).seqlen_q_tile == 1024
     assert s.select(p, 4096, 1).seqlen_q_tile == 4096  # every block computed: one launch
     assert s.select(p, 150, 1, skips_masked=True).seqlen_q_tile == 128  # least padding first
@@ -374,7 +385,7 @@ def test_any_count_steps_are_split_major():
         kernel_steps(online_variant(p, 32, 1, merge_any=True), split_kv(c, 3, merged=True))
 
 
-def test_merge_any_field_and_selection(tmp_path):
+def test_merge_any_field_and_selection(tmp_path, one_cuda_gpu):
     import json
 
     from turbine_fmha.kernels.signature import KERNEL_ABI
@@ -400,7 +411,7 @@ def test_merge_any_field_and_selection(tmp_path):
     for e in entries:
         e["kernel_abi"] = KERNEL_ABI
     (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest_version=1, artifacts=entries)))
-    s = turbine_fmha.Session("cpu", artifact_dir=tmp_path, target="cuda")
+    s = turbine_fmha.Session("cuda", artifact_dir=tmp_path)
     assert s.merge_splits_for(p) == (2, 4, 8, 16, 32, 64, 128)
     assert s.select(p, 1, 16, merge=2).batch_tile == 32  # 16 entries: the smallest tile that holds them
     assert s.select(p, 1, 128, merge=64).batch_tile == 128  # 64 does not divide 32

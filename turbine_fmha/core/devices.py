@@ -11,7 +11,12 @@ import re
 
 KINDS = ("cpu", "cuda", "hip")
 
-_NAME = re.compile(r"(cpu|cuda|hip)(?::(\d+))?")
+# ASCII digits only: \d also matches other scripts' digits, which int()
+# reads, so "cuda:\u0661" would have opened cuda:1.
+_NAME = re.compile(r"(cpu|cuda|hip)(?::([0-9]+))?")
+# The largest ordinal a GPU runtime takes (cuDeviceGet's int): a larger
+# one is refused here rather than overflowing on its way to C.
+MAX_ORDINAL = 2**31 - 1
 
 
 def parse_device(device, name: str = "device") -> tuple[str, int | None]:
@@ -29,11 +34,17 @@ def parse_device(device, name: str = "device") -> tuple[str, int | None]:
         raise ValueError(
             f"{name} must be one of {list(KINDS)}, optionally with ':N' for a GPU (e.g. 'cuda:1'), got {device!r}"
         )
-    kind, ordinal = match.group(1), match.group(2)
-    ordinal = None if ordinal is None else int(ordinal)
-    if kind == "cpu" and ordinal not in (None, 0):
+    kind, digits = match.group(1), match.group(2)
+    if digits is None:
+        return kind, None
+    significant = digits.lstrip("0")
+    if kind == "cpu" and significant:
         raise ValueError(f"{name} {device!r}: the host CPU is one device, 'cpu'")
-    return kind, ordinal
+    # The length first: int() of thousands of digits raises its own
+    # ValueError, which would not name the argument.
+    if len(significant) > len(str(MAX_ORDINAL)) or int(digits) > MAX_ORDINAL:
+        raise ValueError(f"{name} {device!r}: a GPU ordinal is at most {MAX_ORDINAL}")
+    return kind, int(digits)
 
 
 def device_name(kind: str, ordinal: int | None) -> str:

@@ -28,6 +28,7 @@ from ..build.targets import (
     CPU_TARGET_PREFERENCE,
     DEFAULT_BINDING_ALIGNMENT,
     DEVICE_DEFAULT_TARGET,
+    TARGETS,
     Target,
     get_target,
 )
@@ -69,15 +70,18 @@ class Session(VariantSelection, DeviceInterop):
       device: "cpu" (llvm-cpu artifacts on the local-task driver), "cuda"
         or "hip" (the first GPU), "cuda:N" or "hip:N" (the process's N-th
         GPU, as torch counts them), or a torch.device. `device` is then the
-        kind ("cuda") and `ordinal` the GPU's index (0 on the CPU); an
-        ordinal the machine lacks raises ValueError naming it before any
-        device work.
+        kind ("cuda") and `ordinal` the GPU's index (0 on the CPU). A GPU
+        device that IREE's driver for it does not list (no such driver on
+        this machine, or an ordinal past its GPUs) raises ValueError naming
+        it, before anything is read, compiled or opened.
       artifact_dir: directory with manifest.json (default: $TURBINE_FMHA_ARTIFACTS,
         else the user cache directory: turbine_fmha.paths).
       target: artifact target to load (default: cuda, gfx942; on the CPU the
         first of build.targets.CPU_TARGET_PREFERENCE the directories hold
-        and this CPU can run, else host). A CPU target this CPU cannot run
-        raises ValueError; a directory of only such artifacts ArtifactError.
+        and this CPU can run, else host). A target of another device
+        (Session("cuda", target="host")), or a CPU target this CPU cannot
+        run, raises ValueError; a directory of only such artifacts
+        ArtifactError.
       compile_missing: when a variant has no artifact, compile it into
         `cache_dir` (needs iree-base-compiler and iree-turbine) instead of
         raising. Off by default: services should ship prebuilt artifacts.
@@ -117,6 +121,8 @@ class Session(VariantSelection, DeviceInterop):
         from ..build.artifacts import parse_pins
 
         device, ordinal = parse_device(device)
+        # Errors name the device as given: "cuda", not the "cuda:0" it means.
+        given = device if ordinal is None else device_name(device, ordinal)
         self.device = device
         self.ordinal = ordinal or 0
         # A CPU session without a target takes the best its directories
@@ -124,14 +130,21 @@ class Session(VariantSelection, DeviceInterop):
         chosen = get_target(target) if target is not None else None
         if chosen is None and device != "cpu":
             chosen = get_target(DEVICE_DEFAULT_TARGET[device])
+        if chosen is not None and chosen.driver != _device_driver(device):
+            # Such a session loaded artifacts for another device: a GPU
+            # session of a CPU target ran its calls on the CPU.
+            raise ValueError(
+                f"device {given!r}: cannot run target {chosen.name!r} (a {chosen.kind} target, for IREE's "
+                f"{chosen.driver} driver); a {device} device takes {', '.join(_device_targets(device))}"
+            )
         if chosen is not None and chosen.kind == "cpu":
             lacks = host_cpu.this_cpu().lacks(chosen.cpu_arch, chosen.cpu_requires)
             if lacks:
                 raise ValueError(
                     f"target {chosen.name!r} needs what this CPU ({host_cpu.this_cpu().arch}) lacks: {', '.join(lacks)}"
                 )
-        if ordinal is not None and device != "cpu":
-            _check_ordinal(chosen.driver, ordinal, self.device_name)
+        if device != "cpu":
+            _check_device(chosen.driver, self.ordinal, given)
         if formulation not in (None, "explicit", "online"):
             raise ValueError(f"formulation must be 'explicit' or 'online', got {formulation!r}")
         self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
@@ -152,8 +165,6 @@ class Session(VariantSelection, DeviceInterop):
         # run()'s sinks on the device, by value and torch device: a model's
         # layers bring the same few every step, to a new plan each step.
         self.sinks_uploads: dict[tuple, object] = {}
-        with _SHARED_LOCK:
-            LIVE_SESSIONS[id(self)] = self
         self._index: dict[str, dict] = {}
         # Variants by problem (Variant.problem as a tuple), so choosing one
         # per call does not re-parse every manifest name.
@@ -184,6 +195,9 @@ class Session(VariantSelection, DeviceInterop):
         self._foreign: dict[str, list[str]] = {}
         for directory, manifest in manifests:
             self._index_manifest(directory, manifest)
+        # Last: a session whose construction raised is in no table.
+        with _SHARED_LOCK:
+            LIVE_SESSIONS[id(self)] = self
 
     # -- manifest and loading ---------------------------------------------
 
@@ -426,21 +440,63 @@ _CONFIGS: dict[tuple, object] = {}
 _MODULES: dict[tuple, object] = {}
 
 
-def _driver_devices(driver: str) -> list | None:
-    """The devices IREE's `driver` sees, or None where the driver cannot
-    be opened (no GPU runtime on this machine: the device's opening says
-    so)."""
+# The devices each IREE GPU driver lists, by driver name, or why the driver
+# cannot be opened: asked once per process (every GPU session's
+# construction checks its device against it), and again when a device is
+# opened (_shared_config).
+_DRIVER_DEVICES: dict[str, list | str] = {}
+# Its own lock, not _SHARED_LOCK: _shared_config holds that one while it
+# checks the device it opens.
+_DRIVER_LOCK = threading.Lock()
+
+
+def _device_driver(kind: str) -> str:
+    """The IREE driver that runs a device kind's artifacts."""
+    return get_target(DEVICE_DEFAULT_TARGET[kind]).driver
+
+
+def _device_targets(kind: str) -> list[str]:
+    """The targets whose artifacts a device kind runs."""
+    return [t.name for t in TARGETS.values() if t.driver == _device_driver(kind)]
+
+
+def _hal_driver(driver: str):
+    """IREE's `driver`, which IREE creates once per process."""
     import iree.runtime as rt
 
-    try:
-        return list(rt.get_driver(driver).query_available_devices())
-    except (RuntimeError, ValueError):
-        return None
+    if driver == "cuda" and not env.switch(env.CUDA_ASYNC_ALLOCATIONS):
+        # Plain allocations for results: torch can then take them
+        # zero-copy (DLPack refuses stream-ordered ones), which cut
+        # 0.3 ms from a decode call on the H200 (docs/devlog/benchmarks-history.md).
+        # The CUDA driver reads the flag when it is created, for every
+        # device it opens: so before the first get_driver("cuda"), which
+        # a session's construction makes (_driver_devices).
+        rt.flags.parse_flags("--cuda_async_allocations=false")
+    return rt.get_driver(driver)
 
 
-def _check_ordinal(driver: str, ordinal: int, name: str) -> None:
-    devices = _driver_devices(driver)
-    if devices is not None and ordinal >= len(devices):
+def _driver_devices(driver: str, fresh: bool = False) -> list | str:
+    """The devices IREE's `driver` lists, or, where the driver cannot be
+    opened (no GPU runtime on this machine) or list its devices, IREE's
+    reason. `fresh` asks the driver again."""
+    with _DRIVER_LOCK:
+        devices = None if fresh else _DRIVER_DEVICES.get(driver)
+        if devices is None:
+            try:
+                devices = list(_hal_driver(driver).query_available_devices())
+            except (RuntimeError, ValueError) as e:
+                devices = str(e) or type(e).__name__
+            _DRIVER_DEVICES[driver] = devices
+        return devices
+
+
+def _check_device(driver: str, ordinal: int, name: str, fresh: bool = False) -> None:
+    """Raises ValueError naming device `name` unless IREE's `driver` lists
+    a device `ordinal`."""
+    devices = _driver_devices(driver, fresh)
+    if isinstance(devices, str):
+        raise ValueError(f"device {name!r}: IREE's {driver} driver is not available on this machine ({devices})")
+    if ordinal >= len(devices):
         kind = name.split(":")[0]
         seen = {0: "none", 1: f"{kind}:0"}.get(len(devices), f"{kind}:0 to {kind}:{len(devices) - 1}")
         raise ValueError(
@@ -457,23 +513,19 @@ def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
 
             if driver == "local-task":
                 _set_cpu_topology_once()
-            if driver == "cuda" and not env.switch(env.CUDA_ASYNC_ALLOCATIONS):
-                # Plain allocations for results: torch can then take them
-                # zero-copy (DLPack refuses stream-ordered ones), which cut
-                # 0.3 ms from a decode call on the H200 (docs/devlog/benchmarks-history.md).
-                # Process-wide, like every IREE flag: it applies to CUDA
-                # devices created after it.
-                rt.flags.parse_flags("--cuda_async_allocations=false")
             specs = os.environ.get(env.CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATORS) if driver == "cuda" else ""
             specs = [s for s in specs.split(",") if s]
             try:
-                hal_driver = rt.get_driver(driver)
+                hal_driver = _hal_driver(driver)
             except (RuntimeError, ValueError) as e:
                 raise RuntimeError(f"cannot open IREE's {driver} driver: {e}") from e
             if driver == "local-task":
                 config = rt.Config(driver)
             else:
-                _check_ordinal(driver, ordinal, name)
+                # Asked again: a GPU can go away between a session's
+                # construction and its first call, and opening a device
+                # costs far more than listing them.
+                _check_device(driver, ordinal, name, fresh=True)
                 # "cuda://N" / "hip://N": the N-th device the GPU runtime
                 # enumerates (cuDeviceGet / hipDeviceGet), torch's cuda:N.
                 # GPU 0 keeps the bare driver name (its default device, the
