@@ -138,6 +138,16 @@ def test_unchanged_variants_not_rebuilt(built):
     assert not any(r.rebuilt for r in results)
 
 
+def test_a_build_that_compiles_nothing_brings_the_abi_docs_up_to_date(built):
+    from turbine_fmha.kernels.abi import abi_docs
+
+    path = built / "manifest.json"
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(m, abi=dict(m["abi"], convention="an earlier release's text"))))
+    assert not any(r.rebuilt for r in tfb.build(built, ["host"], SMALL))
+    assert json.loads(path.read_text())["abi"] == abi_docs()
+
+
 def test_built_artifacts_run(built, rng):
     s = turbine_fmha.Session("cpu", artifact_dir=built)
     assert set(s.available_variants()) == set(SMALL)

@@ -212,6 +212,19 @@ def _write_manifest(out: Path, by_key: dict, version: str) -> None:
     atomic_write(out / MANIFEST, json.dumps(manifest, indent=1))
 
 
+def _refresh_abi_docs(out: Path, version: str) -> None:
+    """Rewrites the manifest where its top-level "abi" (what the entries'
+    names and ids mean) is not this release's: a build that recompiles
+    nothing writes no entry, and would leave an earlier description beside
+    entries described by this one."""
+    if not (out / MANIFEST).is_file():
+        return
+    with _locked(out):
+        manifest = load_manifest(out)
+        if manifest.get("abi") != abi_docs():
+            _write_manifest(out, {(a["target"], a["variant"]): a for a in manifest["artifacts"]}, version)
+
+
 def build(
     out: Path,
     targets: list[str],
@@ -239,6 +252,7 @@ def build(
     builder = _Builder(Path(out).absolute(), force, parallel=min(jobs, len(plan)))
     builder.render(v for v, _ in plan)
     results = _run_all(builder, plan, jobs, progress)
+    _refresh_abi_docs(builder.out, builder.version)
     failed = [r for r in results if r.error]
     if failed:
         msg = "\n\n".join(f"{r.target}/{r.variant}:\n{r.error}" for r in failed)

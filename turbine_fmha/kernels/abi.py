@@ -41,8 +41,14 @@ ABI_VERSION = 1
 
 CONVENTION = (
     "IREE coarse-fences (iree.abi.model): the arguments below in order as buffer views, then a wait fence "
-    "and a signal fence; the results are returned once queued and ready when the signal fence is. "
-    "iree-run-module and the IREE runtime bindings' invoke helpers supply both fences."
+    "and a signal fence: `len(args) + 2` arguments. The call returns once the work is queued; the results are "
+    "ready when the signal fence is. iree-run-module takes the arguments below only and appends both fences "
+    "itself (no wait fence, and a signal fence it waits on). A runtime-API caller pushes both, in C "
+    "(iree_runtime_call_*) as in Python: there, push the buffer views, iree.runtime.HalFence(1) (empty: start "
+    "at once) and HalFence.create_at(device.create_semaphore(0), 1) into a VmVariantList, call "
+    "VmContext.invoke, then wait on the signal fence. The Python bindings' FunctionInvoker "
+    "(SystemContext.modules.<module>.<function>) adds no fences and cannot pass them: called with the "
+    "buffer arguments alone it fails (expected len(args) + 2 arguments)."
 )
 
 SYMBOLS = {
@@ -131,34 +137,54 @@ IPARAMS = (
     ),
     ("window_left", "keys left of the diagonal a row sees (UNBOUNDED for no edge)"),
     ("window_right", "keys right of the diagonal a row sees (UNBOUNDED for no edge; 0 for causal)"),
-    ("sink_size", "leading keys a row sees past its window's left edge (0 for none)"),
+    ("sink_size", "leading keys a row may see past its window's left edge (0 for none; see mask for when)"),
 )
 
+# Formulas between backquotes are Python expressions over the names the
+# ABI gives (integers; `and`, `or`, chained comparisons), so that a test
+# evaluates the very text the manifest and docs/abi.md carry against the
+# kernels (tests/test_abi_doc.py). The sink clause is ck_tile's
+# IsOutOfSinkBound as mask_visible (mlir/common.mlir.jinja) computes it,
+# less its test that the window's left edge lies inside the rows
+# (window_left + 1 - shift < seqlen_q): where it fails, every row below
+# seqlen_q already has all the keys a sink would add in its window.
 MASK_RULE = {
-    "none": "every key t < seqlen_k is visible",
+    "none": "row i of entry b sees key t when `0 <= t < seqlen_k[b]`",
     "top_left": (
-        "row i (absolute: q_start + its index) sees key t < seqlen_k when i - window_left <= t <= i + window_right, "
-        "or t < sink_size and t <= i + window_right"
+        "row i of entry b (absolute: q_start + its index in q; rows from seqlen_q[b] on are padding) sees key t "
+        "when `0 <= t < seqlen_k[b] and (i - window_left <= t <= i + window_right or (t < sink_size and t <= i + "
+        "window_right and i < seqlen_k[b]))`: sink keys count only for rows below seqlen_k[b]"
     ),
     "bottom_right": (
-        "row i (absolute: q_start + its index) sees key t < seqlen_k when lo <= t <= hi, with shift = seqlen_k - "
-        "seqlen_q, lo = i + shift - window_left, hi = i + shift + window_right, or t < sink_size and t <= hi"
+        "row i of entry b (absolute: q_start + its index in q; rows from seqlen_q[b] on are padding) sees key t "
+        "when `0 <= t < seqlen_k[b] and (i + shift - window_left <= t <= i + shift + window_right or (t < "
+        "sink_size and t <= i + shift + window_right and i < seqlen_k[b]))`, with `shift = seqlen_k[b] - "
+        "seqlen_q[b]`: sink keys count only for rows below seqlen_k[b]"
     ),
 }
 
 
 PRECONDITIONS = {
     "slots": (
-        "every block-table slot that covers a gathered key row (rows kv_shift[b] .. kv_shift[b] + seqlen_k[b] - 1) "
-        "holds a page id in [0, NP); other slots may hold anything (ids are clamped into range, their keys masked)"
+        "slot j of entry b (0 <= j < W, gathered rows j * PG .. j * PG + PG - 1) holds a page id in [0, NP) "
+        "when it holds a key: `max(j * PG, kv_shift[b]) < min(j * PG + PG, kv_shift[b] + seqlen_k[b])`; other "
+        "slots may hold anything (ids are clamped into range, their rows masked)"
     ),
-    "lengths": "seqlen_q[b] >= 0, seqlen_k[b] >= 0 and kv_shift[b] + seqlen_k[b] <= W * PG",
+    "lengths": (
+        "the call requires `seqlen_q[b] >= 0 and seqlen_k[b] >= 0`; kv_shift[b] may be any i32, negative too. "
+        "The kernel reads all W * PG gathered rows of entry b (every slot's page) and takes row n as key t = n - "
+        "kv_shift[b], masking rows with t outside 0 .. seqlen_k[b] - 1: key t takes part when `0 <= kv_shift[b] "
+        "+ t < W * PG` and the mask shows it to the row. A key whose row lies outside the table is absent, not "
+        "an error: a split-KV entry (merge_splits, host_merge) keeps its sequence's seqlen_k and sees the keys "
+        "of its own columns. To attend to all seqlen_k[b] keys, keep 0 <= kv_shift[b] and kv_shift[b] + "
+        "seqlen_k[b] <= W * PG"
+    ),
     "windows": "window sides and sink_size in [0, unbounded], unbounded meaning no edge (see mask)",
     "static_tiles": "exactly the sizes B and S that the entry gives (static tiles)",
     "merge_splits": (
         "the B entries are split-KV entries, n = attributes.merge_splits per sequence: entry b * n + j is split j "
         "of sequence b, its seqlen_q and seqlen_k the sequence's, its kv_shift the sequence's minus the split's "
-        "first gathered row; q and the results are per sequence (BO = B / n)"
+        "first gathered row (negative past split 0: see lengths); q and the results are per sequence (BO = B / n)"
     ),
     "merge_any": (
         "attributes.merge_splits -1: the same for any n of 2 or more that divides B, read from q's batch (BO = B / n "
