@@ -244,7 +244,8 @@ def template_params(v: Variant) -> dict:
     ]
     bt, mq, gp = v.batch_tile, v.seqlen_q_tile, v.padded_group
     return dict(
-        sig=sig.mlir_header(sig.FWD, args, types),
+        # Without merged splits, q's sequences are the entries.
+        sig=sig.mlir_header(sig.FWD, args, types, same={} if v.merge_splits or v.merge_any else {"BO": "B"}),
         **heads,
         dt=types.dtypes["Q"],
         KDT=types.dtypes["KV"],
