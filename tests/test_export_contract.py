@@ -178,6 +178,23 @@ def test_reshape_and_cache_skips_slots_outside_the_caches(rng, kv_layout):
         main(np.zeros((2, hk, d), np.float32), np.zeros((3, hk, d), np.float32), np.arange(2, dtype=np.int64))
 
 
+def test_caches_of_other_page_sizes_are_refused_at_export():
+    """A slot names a row of both caches as page * page_block_size + row:
+    with V's pages shorter than K's, a slot valid in K's rows wrote past
+    V's pages."""
+    k_cache = torch.zeros(4, 2, 16, 8, dtype=torch.float16)
+    v_cache = torch.zeros(8, 2, 8, 8, dtype=torch.float16)
+
+    class WriteHND(torch.nn.Module):
+        def forward(self, k_new, v_new, slots, k_cache, v_cache):
+            turbine_fmha.reshape_and_cache(k_new, v_new, k_cache, v_cache, slots, kv_layout="HND")
+            return k_cache + 0
+
+    rows = torch.zeros(3, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"v_cache's page size \(8\) must equal k_cache's \(16\)"):
+        aot.export(WriteHND(), args=(rows, rows.clone(), torch.arange(3), k_cache, v_cache), strict_export=False)
+
+
 def test_one_tensor_as_both_caches_is_refused_at_export():
     q = torch.zeros(2, 1, 4, 64, dtype=torch.float16)
     k = torch.zeros(8, 16, 2, 64, dtype=torch.float16)

@@ -491,6 +491,9 @@ def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="N
         raise ValueError("k_cache and v_cache are one tensor: export with distinct example tensors")
     heads, page_dim = (2, 1) if kv_layout == "NHD" else (1, 2)
     page = k_cache.shape[page_dim]
+    if page != v_cache.shape[page_dim]:
+        # A slot is page * page_block_size + row in both caches.
+        raise ValueError(f"v_cache's page size ({v_cache.shape[page_dim]}) must equal k_cache's ({page})")
     flats = {}
     for name, rows, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if cache.dim() != 4:
