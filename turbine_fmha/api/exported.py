@@ -506,10 +506,12 @@ def call_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="N
     valid = torch.logical_and(slots >= 0, slots < rows)
     # Skipped tokens write what the first valid token writes, or with none
     # valid, row 0's own contents: one extra candidate, appended, so that
-    # no index reads past the tokens when there are none. (A min, not an
-    # argmax: IREE 3.13's llvm-cpu fails on a dynamic argmax.)
-    order = torch.arange(slots.shape[0] + 1, dtype=torch.int32)
-    pick = torch.where(torch.cat([valid, torch.ones(1, dtype=torch.bool)]), order, slots.shape[0]).amin(0, True)
+    # no index reads past the tokens when there are none.
+    # The first valid token's index (the token count where none is): the
+    # tokens before it, counted. (Not an argmax, which llvm-cpu fails on,
+    # nor an int32 amin, which IREE 3.13 CUDA computes as -1:
+    # docs/repro/cuda_i32_amin.py.)
+    pick = (torch.cumsum(valid.to(torch.int32), 0) == 0).to(torch.int32).sum(0, True)
     target = torch.where(valid, slots, torch.cat([slots, torch.zeros(1, dtype=torch.int64)]).index_select(0, pick))
     for name, cache in (("k", k_cache), ("v", v_cache)):
         flat = flats[name]
