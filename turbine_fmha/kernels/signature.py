@@ -474,16 +474,31 @@ def mlir_header(kernel: Kernel, args: list, types: Types, same: dict | None = No
     )
 
 
-def size_checks(kernel: Kernel, args: list, types: Types, same: dict | None = None) -> str:
-    """MLIR that fails the call (cf.assert, on the host, before any
-    dispatch) where the run-time sizes of `args` break the declaration:
-    every use of a dynamic symbol must agree (`same` maps a symbol to the
-    one it equals in this variant, as BO to B where no splits merge), and
-    a table with slots needs a page to clamp its ids onto. A symbol static
-    in `types` is checked by IREE's ABI against the argument's type.
-    Where the variant merges any number of splits (BO dynamic, B static),
-    BO must divide B at least twice."""
-    same = same or {}
+class _Checks:
+    """The lines of size_checks under construction: each dim read once
+    (%chk_<arg>_<axis>), the index constants they need, and the asserts."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel, self.lines, self.consts, self.dims = kernel, [], set(), set()
+
+    def dim(self, name: str, axis: int) -> str:
+        value = f"%chk_{name}_{axis}"
+        if value not in self.dims:
+            self.dims.add(value)
+            self.consts.add(axis)
+            self.lines.append(f"  {value} = tensor.dim %{name}, %chk_c{axis} : !{name}_t")
+        return value
+
+    def check(self, cond: str, message: str) -> None:
+        self.lines.append(f'  cf.assert {cond}, "turbine_fmha {self.kernel.name}: {message}"')
+
+    def text(self) -> str:
+        head = [f"  %chk_c{a} = arith.constant {a} : index" for a in sorted(self.consts)]
+        return "\n".join(head + self.lines)
+
+
+def _dynamic_uses(args: list, types: Types, same: dict) -> dict:
+    """Dynamic symbol -> the (argument, axis) pairs that carry it."""
     uses: dict = {}
     for t in args:
         for i, d in enumerate(t.dims_for(types.layout)):
@@ -496,87 +511,106 @@ def size_checks(kernel: Kernel, args: list, types: Types, same: dict | None = No
             d = same.get(d, d)
             if types.sym.get(d) == "?":
                 uses.setdefault(d, []).append((t.name, i))
-    lines, consts = [], set()
+    return uses
 
-    def dim(name: str, axis: int) -> str:
-        value = f"%chk_{name}_{axis}"
-        if value not in consts:
-            consts.update((axis, value))
-            lines.append(f"  {value} = tensor.dim %{name}, %chk_c{axis} : !{name}_t")
-        return value
 
-    def check(cond: str, message: str) -> None:
-        lines.append(f'  cf.assert {cond}, "turbine_fmha {kernel.name}: {message}"')
+def _check_heads(c: _Checks, uses: dict, types: Types) -> None:
+    """Run-time heads: q's heads are HK groups of G."""
+    hq, hk = c.dim(*uses["HQ"][0]), c.dim(*uses["HK"][0])
+    g = types.sym.get("G")
+    c.lines += [
+        f"  %chk_hk_some = arith.cmpi ugt, {hk}, %chk_c0 : index",
+        f"  %chk_hk_safe = arith.select %chk_hk_some, {hk}, %chk_c1 : index",
+        f"  %chk_hq_rem = arith.remui {hq}, %chk_hk_safe : index",
+        "  %chk_hq_div = arith.cmpi eq, %chk_hq_rem, %chk_c0 : index",
+        "  %chk_heads = arith.andi %chk_hk_some, %chk_hq_div : i1",
+    ]
+    c.consts.update((0, 1))
+    if isinstance(g, int):
+        c.lines += [
+            f"  %chk_g = arith.constant {g} : index",
+            f"  %chk_hq_g = arith.muli {hk}, %chk_g : index",
+            f"  %chk_hq_is = arith.cmpi eq, %chk_hq_g, {hq} : index",
+            "  %chk_heads_g = arith.andi %chk_heads, %chk_hq_is : i1",
+        ]
+        c.check("%chk_heads_g", f"q's heads must be {g} per head of k_cache")
+    else:
+        c.check("%chk_heads", "q's heads must be a multiple of k_cache's (one or more)")
 
+
+def _check_bias_columns(c: _Checks, uses: dict, types: Types) -> None:
+    """A bias holds a column per gathered key row: W * PG of them."""
+    pg = types.sym.get("PG")
+    if isinstance(pg, int):
+        c.lines.append(f"  %chk_pg = arith.constant {pg} : index")
+        pg = "%chk_pg"
+    else:
+        pg = c.dim(*uses["PG"][0])
+    c.lines += [
+        f"  %chk_keys = arith.muli {c.dim(*uses['W'][0])}, {pg} : index",
+        f"  %chk_cols = arith.cmpi eq, {c.dim(*uses['N'][0])}, %chk_keys : index",
+    ]
+    c.check("%chk_cols", "bias must have a column per gathered key row (block_table's width x the page size)")
+
+
+def _check_clamp_target(c: _Checks) -> None:
+    """A table with slots needs a page to clamp its ids onto."""
+    rows, width, pages = c.dim("block_table", 0), c.dim("block_table", 1), c.dim("k_cache", 0)
+    c.lines += [
+        f"  %chk_slots = arith.muli {rows}, {width} : index",
+        "  %chk_none = arith.cmpi eq, %chk_slots, %chk_c0 : index",
+        f"  %chk_some = arith.cmpi ugt, {pages}, %chk_c0 : index",
+        "  %chk_clamp = arith.ori %chk_none, %chk_some : i1",
+    ]
+    c.consts.add(0)
+    c.check("%chk_clamp", "k_cache has no page for the block table's ids to be clamped onto")
+
+
+def _check_merge_any(c: _Checks, entries: int) -> None:
+    """Any split count: q's batch (BO) divides the B entries at least twice."""
+    bo = c.dim("q", 0)
+    c.lines += [
+        f"  %chk_b = arith.constant {entries} : index",
+        f"  %chk_rem = arith.remui %chk_b, {bo} : index",
+        f"  %chk_two = arith.muli {bo}, %chk_c2 : index",
+        "  %chk_div = arith.cmpi eq, %chk_rem, %chk_c0 : index",
+        "  %chk_fit = arith.cmpi ule, %chk_two, %chk_b : index",
+        "  %chk_splits = arith.andi %chk_div, %chk_fit : i1",
+    ]
+    c.consts.update((0, 2))
+    c.check("%chk_splits", "q's batch must divide the block table's entries at least twice")
+
+
+def size_checks(kernel: Kernel, args: list, types: Types, same: dict | None = None) -> str:
+    """MLIR that fails the call (cf.assert, on the host, before any
+    dispatch) where the run-time sizes of `args` break the declaration:
+    every use of a dynamic symbol must agree (`same` maps a symbol to the
+    one it equals in this variant, as BO to B where no splits merge), and
+    a table with slots needs a page to clamp its ids onto. A symbol static
+    in `types` is checked by IREE's ABI against the argument's type.
+    Where the variant merges any number of splits (BO dynamic, B static),
+    BO must divide B at least twice."""
+    c = _Checks(kernel)
+    uses = _dynamic_uses(args, types, same or {})
     n = 0
     for d, where in uses.items():
         if len(where) < 2:
             continue
-        first = dim(*where[0])
+        first = c.dim(*where[0])
         for name, axis in where[1:]:
             n += 1
-            lines.append(f"  %chk_eq{n} = arith.cmpi eq, {dim(name, axis)}, {first} : index")
-            check(f"%chk_eq{n}", f"{name} dim {axis} differs from {where[0][0]} dim {where[0][1]} ({d})")
+            c.lines.append(f"  %chk_eq{n} = arith.cmpi eq, {c.dim(name, axis)}, {first} : index")
+            c.check(f"%chk_eq{n}", f"{name} dim {axis} differs from {where[0][0]} dim {where[0][1]} ({d})")
     names = {t.name for t in args}
     if "HQ" in uses and "HK" in uses:
-        # Run-time heads: q's heads are HK groups of G.
-        hq, hk = dim(*uses["HQ"][0]), dim(*uses["HK"][0])
-        g = types.sym.get("G")
-        lines += [
-            f"  %chk_hk_some = arith.cmpi ugt, {hk}, %chk_c0 : index",
-            f"  %chk_hk_safe = arith.select %chk_hk_some, {hk}, %chk_c1 : index",
-            f"  %chk_hq_rem = arith.remui {hq}, %chk_hk_safe : index",
-            "  %chk_hq_div = arith.cmpi eq, %chk_hq_rem, %chk_c0 : index",
-            "  %chk_heads = arith.andi %chk_hk_some, %chk_hq_div : i1",
-        ]
-        consts.update((0, 1))
-        if isinstance(g, int):
-            lines += [
-                f"  %chk_g = arith.constant {g} : index",
-                f"  %chk_hq_g = arith.muli {hk}, %chk_g : index",
-                f"  %chk_hq_is = arith.cmpi eq, %chk_hq_g, {hq} : index",
-                "  %chk_heads_g = arith.andi %chk_heads, %chk_hq_is : i1",
-            ]
-            check("%chk_heads_g", f"q's heads must be {g} per head of k_cache")
-        else:
-            check("%chk_heads", "q's heads must be a multiple of k_cache's (one or more)")
+        _check_heads(c, uses, types)
     if "N" in uses and "W" in uses:
-        # A bias holds a column per gathered key row: W * PG of them.
-        pg = types.sym.get("PG")
-        if isinstance(pg, int):
-            lines.append(f"  %chk_pg = arith.constant {pg} : index")
-            pg = "%chk_pg"
-        else:
-            pg = dim(*uses["PG"][0])
-        lines += [
-            f"  %chk_keys = arith.muli {dim(*uses['W'][0])}, {pg} : index",
-            f"  %chk_cols = arith.cmpi eq, {dim(*uses['N'][0])}, %chk_keys : index",
-        ]
-        check("%chk_cols", "bias must have a column per gathered key row (block_table's width x the page size)")
+        _check_bias_columns(c, uses, types)
     if {"block_table", "k_cache"} <= names:
-        rows, width, pages = dim("block_table", 0), dim("block_table", 1), dim("k_cache", 0)
-        lines += [
-            f"  %chk_slots = arith.muli {rows}, {width} : index",
-            "  %chk_none = arith.cmpi eq, %chk_slots, %chk_c0 : index",
-            f"  %chk_some = arith.cmpi ugt, {pages}, %chk_c0 : index",
-            "  %chk_clamp = arith.ori %chk_none, %chk_some : i1",
-        ]
-        consts.add(0)
-        check("%chk_clamp", "k_cache has no page for the block table's ids to be clamped onto")
+        _check_clamp_target(c)
     if types.sym.get("BO") == "?" and isinstance(types.sym.get("B"), int) and "q" in names:
-        bo = dim("q", 0)
-        lines += [
-            f"  %chk_b = arith.constant {types.sym['B']} : index",
-            f"  %chk_rem = arith.remui %chk_b, {bo} : index",
-            f"  %chk_two = arith.muli {bo}, %chk_c2 : index",
-            "  %chk_div = arith.cmpi eq, %chk_rem, %chk_c0 : index",
-            "  %chk_fit = arith.cmpi ule, %chk_two, %chk_b : index",
-            "  %chk_splits = arith.andi %chk_div, %chk_fit : i1",
-        ]
-        consts.update((0, 2))
-        check("%chk_splits", "q's batch must divide the block table's entries at least twice")
-    head = [f"  %chk_c{a} = arith.constant {a} : index" for a in sorted(c for c in consts if isinstance(c, int))]
-    return "\n".join(head + lines)
+        _check_merge_any(c, types.sym["B"])
+    return c.text()
 
 
 def custom_op_signature(kernel: Kernel, op_name: str) -> str:
