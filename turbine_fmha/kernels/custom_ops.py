@@ -364,7 +364,6 @@ class _Guard(CustomOp):
     GUARD_WRITE), lowered into the program before the call they guard."""
 
     kernel: sig.Kernel
-    template: str
 
     def _types(self, tensors: list) -> sig.Types:
         # The first tensor's dtype is the queries' (GUARD_PAGED) or the
