@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros
-from turbine_fmha.core.arrays import _is_torch, _Results
+from turbine_fmha.core.arrays import _is_torch
+from turbine_fmha.runtime.executor import Results
 
 
 def main() -> int:
@@ -114,8 +115,8 @@ def _kernel_alone_ms(attn, q, k, v, calls: int) -> float:
     import iree.runtime as rt
 
     plan, session = attn._plan, attn.session
-    variant = plan._variant(plan.guard_free)
-    steps = plan._device_steps(variant, _Results(session, q if _is_torch(q) else None))
+    variant = plan.variant(0, plan.parts[0].guard_free)
+    steps = plan.device_steps(0, variant, Results(session, q if _is_torch(q) else None))
     loaded = session._load(variant)
 
     def fn(*args):

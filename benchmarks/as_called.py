@@ -75,9 +75,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.api.attention import _from_entries, _to_entries  # noqa: E402  (row entries, as run() places them)
+from turbine_fmha.runtime.executor import _from_entries, to_entries  # noqa: E402  (row entries, as run() places them)
 from turbine_fmha.calls.plan import combine_splits, kernel_steps, repeat_rows  # noqa: E402  (device time, as bench.py)
-from turbine_fmha.core.arrays import _Results  # noqa: E402
+from turbine_fmha.runtime.executor import Results  # noqa: E402
 
 D, PAGE = 128, 16
 BOUND = {"f16": 5e-3, "bf16": 2e-2}
@@ -396,18 +396,18 @@ class DeviceLoop:
     def __init__(self, session, attn, case: Case):
         import iree.runtime as rt
 
-        plan = attn._plan
-        if plan.parts != [plan]:
+        if attn._plan.plan.mixed:
             raise NotImplementedError("device time of a mixed batch")
+        plan = attn._plan.parts[0]
         self.plan, self.session = plan, session
-        self.variant = plan._variant(plan.guard_free)  # what run() with kv_rows_finite=True selects
+        self.variant = attn._plan.variant(0, plan.guard_free)  # what run() with kv_rows_finite=True selects
         self.steps = kernel_steps(self.variant, plan.call)
         dev = session.device_of()
         q = np.ascontiguousarray(as_numpy(case.q))
         self.split = plan.splits > max(1, plan.merge)  # partials merged on the host by run()
         qb = repeat_rows(q, plan.splits) if self.split else q
         if plan.entries:  # the prefill's rows as entries of 128 (plan.row_entries)
-            qb = _to_entries(qb, plan.entries, qb.dtype, _Results(session))
+            qb = to_entries(qb, plan.entries, qb.dtype, Results(session))
         if case.device == "cuda":
             kd, vd = session.import_torch(case.k), session.import_torch(case.v)
         else:
@@ -590,7 +590,7 @@ def bench_row(session, case: Case, args) -> dict:
         variant_one_shot=variants["one_shot"],
         variant_device=loop.variant.name,
         kernel_calls=len(loop.steps),
-        num_splits=attn_f._plan.splits,
+        num_splits=attn_f._plan.parts[0].splits,
         merged_in_module=bool(loop.variant.merge_splits),
         calls_per_round=calls,
         device_calls_per_round=per_name["device"],
@@ -676,11 +676,12 @@ def list_variants(args, shapes) -> int:
                 **kw,
             )
             try:
-                p = turbine_fmha.PagedAttention(plain).plan(bt, sk, **plan_args)._plan
-                print(f"{label} ({dtype}): {p._variant(p.guard_free).name} ({p.splits} splits)")
+                e = turbine_fmha.PagedAttention(plain).plan(bt, sk, **plan_args)._plan
+                p = e.parts[0]
+                print(f"{label} ({dtype}): {e.variant(0, p.guard_free).name} ({p.splits} splits)")
             except ArtifactError:
-                p = turbine_fmha.PagedAttention(compiling).plan(bt, sk, **plan_args)._plan
-                name = p._variant(p.guard_free).name
+                e = turbine_fmha.PagedAttention(compiling).plan(bt, sk, **plan_args)._plan
+                name = e.variant(0, e.parts[0].guard_free).name
                 missing.append(name)
                 print(f"{label} ({dtype}): missing in {plain.artifact_dir}; a compiling session builds {name}")
     if missing:

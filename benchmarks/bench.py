@@ -316,7 +316,7 @@ def auto_splits(session, shape, inputs, kw) -> int:
         kv_layout=KV_LAYOUT,
         **kw,
     )
-    return attn._plan.splits
+    return attn._plan.parts[0].splits
 
 
 def bench_planned(session, shape, inputs, dtype, repeat, kw):

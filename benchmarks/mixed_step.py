@@ -208,7 +208,7 @@ def row(session, decodes, prefills, arrays: str, args) -> dict:
         calls_per_round=calls,
         rel_err={name: float(f"{e:.3g}") for name, e in errs.items()},
         ok=max(errs.values()) <= BOUND,
-        variants_mixed=[p._variant(True).name for p in mixed._plan.parts if p.rows],
+        variants_mixed=[mixed._plan.variant(i, True).name for i, p in enumerate(mixed._plan.parts) if p.rows],
     )
 
 

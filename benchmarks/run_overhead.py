@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha
-from turbine_fmha.core.arrays import _Results
+from turbine_fmha.runtime.executor import Results as _Results
 
 
 def timed(fn, calls: int, sync=None) -> float:
@@ -63,8 +63,8 @@ def main() -> int:
         bt, sl, num_pages=pages, page_block_size=page, nhead_q=hq, nhead_k=hk, hdim=d, dtype="f16", kv_rows_finite=True
     )
     plan = attn._plan
-    variant = plan._variant(True)
-    steps = plan._device_steps(variant, _Results(session, q))
+    variant = plan.variant(0, True)
+    steps = plan.device_steps(0, variant, _Results(session, q))
     assert len(steps) == 1
     loaded = session._load(variant)
     # The kernel alone on the plan's split rows (split-KV merged on the host
@@ -159,9 +159,9 @@ def _staged_run(attn, q, k, v, calls, replan=None):
         like, kc, vc, _ = plan._arrays(q, k, v, None)
         t = lap("checks + cache binds", t)
         results = _Results(session, like)
-        variant = plan._variant(plan._rows_finite(vc))
+        variant = plan.variant(0, plan._rows_finite(0, vc))
         t = lap("variant", t)
-        st = plan._device_steps(variant, results)[0]
+        st = plan.device_steps(0, variant, results)[0]
         t = lap("steps (tables uploaded)", t)
         args = [
             st.q(plan._batch_q(like.detach(), results)),

@@ -89,8 +89,8 @@ def online_session():
 @pytest.fixture
 def allocations(monkeypatch):
     """The shapes of the arrays the runtime allocates for a call's results
-    (arrays._Results.empty), recorded while the test runs."""
-    from turbine_fmha.core.arrays import _Results
+    (executor.Results.empty), recorded while the test runs."""
+    from turbine_fmha.runtime.executor import Results as _Results
 
     made = []
     empty = _Results.empty

@@ -15,7 +15,7 @@ from conftest import LSE_TOL, OUT_TOL, _TrapSession, make_problem
 
 import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros
-from turbine_fmha.core.arrays import _Results
+from turbine_fmha.runtime.executor import Results
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 
@@ -164,8 +164,8 @@ def test_each_run_brings_its_own_sinks(explicit_session, online_session, rng, mo
     # The next step's plan (a new one) finds the layers' sinks on the
     # device already (Session.sinks_uploads): nothing uploads them again.
     uploads = []
-    real = _Results.upload
-    monkeypatch.setattr(_Results, "upload", lambda self, arrays: uploads.extend(arrays) or real(self, arrays))
+    real = Results.upload
+    monkeypatch.setattr(Results, "upload", lambda self, arrays: uploads.extend(arrays) or real(self, arrays))
     again = turbine_fmha.PagedAttention(session).plan(bt, sk, **plan_kw)
     out, lse = again.run(q, k, v, return_lse=True, sinks=layers[0])
     _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk, sinks=layers[0], **mask), "f16")

@@ -17,7 +17,7 @@ import pytest
 from conftest import make_problem
 
 import turbine_fmha
-from turbine_fmha.core.arrays import _Results
+from turbine_fmha.runtime.executor import Results
 from turbine_fmha.runtime.invoke import _Loaded
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -35,8 +35,8 @@ def _planned(session, rng):
 
 def _args(attn, q, k, v):
     plan = attn._plan
-    variant = plan._variant(plan._rows_finite(v))
-    st = plan._device_steps(variant, _Results(attn.session))[0]
+    variant = plan.variant(0, plan._rows_finite(0, v))
+    st = plan.device_steps(0, variant, Results(attn.session))[0]
     return variant, [st.q(q), k, v, *st.args]
 
 

@@ -170,7 +170,7 @@ def _selected(session, shape: ModelShape, online: bool) -> set[Variant]:
             kv_layout=shape.kv_layout,
             **window,
         )
-        chosen |= {attn._plan._variant(finite) for finite in (False, True)}
+        chosen |= {attn._plan.variant(0, finite) for finite in (False, True)}
     return chosen
 
 
@@ -191,7 +191,7 @@ def test_model_set_is_what_the_models_calls_select(tmp_path, one_gpu_each, targe
     kernels = model_variants(shape, target)
     session = _session_over(tmp_path, target, kernels)
     online = (
-        session._formulation_for(
+        session.formulation_for(
             Variant(shape.dtype, shape.hdim_q, shape.hdim_v, shape.nhead_q, shape.nhead_k, shape.pages[0]).problem
         )
         == "online"

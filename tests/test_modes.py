@@ -117,7 +117,7 @@ def test_mixed_batch_runs_decodes_apart(sessions, rng, formulation):
     )
     _check(out, lse, ref, ref_lse, "f16")
     if formulation == "online":
-        assert decode._variant(False).seqlen_q_tile == 1 and prefill._variant(False).seqlen_q_tile > 1
+        assert attn._plan.variant(0, False).seqlen_q_tile == 1 and attn._plan.variant(1, False).seqlen_q_tile > 1
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)

@@ -195,9 +195,9 @@ def test_windowed_entries_read_their_own_windows(entries_session, rng):
     )
     kw = dict(mask_type="bottom_right", window_size_left=window, window_size_right=0)
     attn = _plan(entries_session, p[3], p[4], p[1].shape[0], rows, **kw)
-    plan = attn._plan
+    plan = attn._plan.parts[0]
     assert plan.entries == rows // ENTRY_ROWS
-    variant = plan._variant(False)
+    variant = attn._plan.variant(0, False)
     # An entry's keys: its 128 rows and the window before its first, each
     # end rounded out to a page.
     most = -(-(ENTRY_ROWS + window) // 16) + 1
@@ -225,7 +225,7 @@ def test_entries_results_are_rearranged_once(entries_session, rng, allocations, 
     )
     kw = dict(mask_type="bottom_right", window_size_right=0)
     attn = _plan(entries_session, bt, sk, k.shape[0], rows, **kw)
-    assert attn._plan.entries
+    assert attn._plan.parts[0].entries
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
     if arrays == "torch":
         q, k, v = (torch.from_numpy(x) for x in (q, k, v))

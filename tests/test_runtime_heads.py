@@ -259,7 +259,7 @@ def test_gpu_sessions_fall_back_to_the_any_heads_variants():
     any_group = Variant("f16", 64, 64, 0, 0, 16)
     s = _Listing([static, any_group], "online")
     assert s.select(_call(32, 8), 1, 4) == static
-    assert s._formulation_for(_call(12, 4), True) == "explicit"
+    assert s.formulation_for(_call(12, 4), True) == "explicit"
     assert s.select(_call(12, 4), 1, 4) == any_group
 
 

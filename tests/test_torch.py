@@ -1,6 +1,6 @@
 """torch tensors in, torch tensors out (CPU). With q on the session's own
 device the results are made there by torch from DLPack views of the
-kernels' buffers (arrays._Results): these tests run that path on the CPU, the
+kernels' buffers (executor.Results): these tests run that path on the CPU, the
 same code that keeps CUDA results on the GPU (benchmarks/probes/h200_torch_interop.py
 checks it there)."""
 

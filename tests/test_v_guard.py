@@ -7,6 +7,8 @@ table slots, full of garbage, are pointed at the sequence's own pages)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from conftest import make_problem
@@ -332,17 +334,17 @@ def test_nan_or_inf_in_a_key_some_rows_do_not_see(explicit_session, online_sessi
 
 
 # On a torch GPU cache, run() checks the stale V rows behind its kernels
-# (attention._Plan._defers): the kernels first assume finite rows, and the
+# (executor.Executor._defers): the kernels first assume finite rows, and the
 # call runs again guarded when the check, read after their wait, says no.
 # Patching _defers gives the CPU the same control flow.
 
 
 @pytest.fixture
 def deferring(online_session, monkeypatch):
-    from turbine_fmha.api import attention
+    from turbine_fmha.runtime import executor
 
-    monkeypatch.setattr(attention._Plan, "_defers", staticmethod(lambda v_cache: True))
-    monkeypatch.setattr(attention, "_NONFINITE_SEEN", {})
+    monkeypatch.setattr(executor.Executor, "_defers", staticmethod(lambda v_cache: True))
+    monkeypatch.setattr(executor, "NONFINITE_SEEN", {})
     calls = []
     run_variants = online_session.run_variants
 
@@ -406,18 +408,18 @@ def test_deferred_check_reruns_only_the_part_it_concerns(online_session, deferri
     v[bt[0, 299 // 16], 300 % 16 :] = np.nan
     kw = dict(mask_type="bottom_right", window_size_right=0)
     attn = _decode_plan(online_session, bt, sk, k, seqstart_q=seqstart, **kw)
-    decode, prefill = attn._plan.parts
+    decode, prefill = (functools.partial(attn._plan.variant, i) for i in (0, 1))
     out = np.full((q.shape[0], 8, 64), np.nan, np.float16)
     out, lse = attn.run(q, k, v, out=out, return_lse=True)
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, seqstart_q=seqstart, **kw)
     _check(out, lse, ref, ref_lse, "f16")
     assert [x.v_guard for x in deferring] == [False, False, True]
-    assert deferring[2] is decode._variant(False) and deferring[1] is prefill._variant(True)
+    assert deferring[2] is decode(False) and deferring[1] is prefill(True)
     for _ in range(2):
         deferring.clear()
         out, lse = attn.run(q, k, v, out=np.full_like(out, np.nan), return_lse=True)
         _check(out, lse, ref, ref_lse, "f16")
-        assert deferring == [decode._variant(False), prefill._variant(True)]
+        assert deferring == [decode(False), prefill(True)]
 
 
 @pytest.mark.parametrize("stale_nan", [False, True])
@@ -435,15 +437,14 @@ def test_deferred_check_without_a_guarded_kernel(online_session, deferring, rng,
     if stale_nan:
         v[bt[1, (lens[1] - 1) // 16], lens[1] % 16 :] = np.nan
     attn = _decode_plan(online_session, bt, sk, k)
-    part = attn._plan.parts[0]
-    unguarded = part._variant(True)
+    unguarded = attn._plan.variant(0, True)
 
-    def only_unguarded(rows_finite):
+    def only_unguarded(i, rows_finite):
         if not rows_finite:
             raise ArtifactError("no guarded variant in this artifact set")
         return unguarded
 
-    monkeypatch.setattr(part, "_variant", only_unguarded)
+    monkeypatch.setattr(attn._plan, "variant", only_unguarded)
     out = rng.standard_normal(q.shape).astype(np.float16)
     before = out.copy()
     if stale_nan:

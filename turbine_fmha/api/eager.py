@@ -3,7 +3,7 @@
 routes the first two to their torch ops while torch.compile traces).
 
 Data flows one way: arguments -> a validated Problem (calls.problem) -> a
-plan (api.attention) -> kernel calls -> results. Everything is validated
+plan (calls.planner) -> kernel calls (runtime.executor) -> results. Everything is validated
 before any kernel is loaded or run, and every error names the offending
 argument.
 """
@@ -11,12 +11,14 @@ argument.
 from __future__ import annotations
 
 from ..calls.modes import paged_view
+from ..calls.planner import make_plan
 from ..calls.problem import from_arrays
 from ..core.arrays import _check_tensor_devices, overlapping
 from ..core.tracing import check_no_grad
+from ..runtime.executor import Executor
 from ..runtime.plan_cache import call_key
 from ..runtime.session import Session, default_session, resolve_session
-from .attention import PagedAttention, _Plan
+from .attention import PagedAttention
 from .conventions import conventions, kvcache_seqlens
 
 
@@ -129,7 +131,7 @@ def fmha_fwd_paged(
     # A call equal to a recent one (a model's next layer) reuses its plan (plan_cache).
     attn._plan = attn.session.plans.get(
         call_key(dict(given, **settings)),
-        lambda: _Plan(from_arrays(**given, **settings), attn.session, keep_binds=False),
+        lambda: Executor(make_plan(from_arrays(**given, **settings), attn.session), attn.session, keep_binds=False),
     )
     return attn.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)
 

@@ -111,7 +111,7 @@ class VariantSelection:
         )
 
     def _select(self, problem, seqlen_q, batch, stale_rows_finite, merge, skips_masked) -> Variant:
-        formulation = self._formulation_for(problem, seqlen_q == 1)
+        formulation = self.formulation_for(problem, seqlen_q == 1)
         cands = [
             v
             for v in self._served_by(problem)
@@ -173,7 +173,7 @@ class VariantSelection:
         return self._remembered("batch_limit", (_problem_key(problem),), lambda: self._decode_batch_limit(problem))
 
     def _decode_batch_limit(self, problem: dict) -> int:
-        formulation = self._formulation_for(problem, True)
+        formulation = self.formulation_for(problem, True)
         return max(
             (
                 v.batch_tile
@@ -188,7 +188,7 @@ class VariantSelection:
         split-KV partials in the module (Variant.merge_splits), with the
         stale-row guard (so that select() finds one whatever the V rows
         hold)."""
-        if self._formulation_for(problem, True) != "online":
+        if self.formulation_for(problem, True) != "online":
             return ()
         if self.compile_missing:
             return MERGE_SPLITS
@@ -212,7 +212,7 @@ class VariantSelection:
         variant for `problem` (for a decode: one query row)."""
         if self.compile_missing:
             return True
-        formulation = self._formulation_for(problem, decode)
+        formulation = self.formulation_for(problem, decode)
         return any(v.formulation == formulation for v in self._served_by(problem))
 
     def _served_by(self, problem: dict) -> list[Variant]:
@@ -230,7 +230,7 @@ class VariantSelection:
         group = group_of(problem)
         return tuple(v for k in keys for v in self._by_problem.get(_problem_key(k), []) if v.serves_group(group))
 
-    def _formulation_for(self, problem: dict, decode: bool = False) -> str:
+    def formulation_for(self, problem: dict, decode: bool = False) -> str:
         """The session's formulation, unless the online one cannot serve the
         problem (variants.online_unsupported; `decode`: a call of one query
         row), or no online variant for it is built and none may be compiled
@@ -254,7 +254,7 @@ class VariantSelection:
     def _default_variant_for(
         self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False, batch: int = 1, merge: int = 0
     ) -> Variant:
-        if self._formulation_for(problem, seqlen_q == 1) == "explicit":
+        if self.formulation_for(problem, seqlen_q == 1) == "explicit":
             # Run-time head counts cost the CPU kernels little (docs/perf-
             # notes.md), and one compile then serves every model of the group.
             return Variant(**runtime_heads(problem))
