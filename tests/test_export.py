@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LSE_TOL, OUT_TOL, make_problem
+from conftest import make_problem
+from tolerances import LSE_TOL, OUT_TOL
 
 torch = pytest.importorskip("torch")
 aot = pytest.importorskip("iree.turbine.aot")
@@ -357,19 +358,17 @@ def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
         _check(main, prob, "f16", mask_type="bottom_right", window_size_right=0)
 
 
-@pytest.mark.parametrize("rows, seqlens, tile", [(5, [5, 40, 17], 128), (1100, [1100, 1300], 1024)])
+@pytest.mark.parametrize("rows, seqlens, tile", [(5, [5, 40, 17], 128), (1100, [1100, 1300], 128)])
 def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
     """export_options(formulation="online") on a prefill of a static batch
     and row count (a bucket): per sequence, chunks of the one-sequence
-    prefill tile the cost model picks (5 rows: one padded chunk of 128;
-    1100: a full chunk of 1024 and a padded one, the second starting at
-    row 1024), causal with the bottom-right diagonal, sequences with keys
-    cached before the rows among them. Against the float64 reference,
-    garbage in unused slots, NaN in unused pages (the guarded kernel)."""
-
-    from turbine_fmha.api.exported import _prefill_tile
-
-    assert _prefill_tile(len(seqlens), rows) == tile
+    prefill tile the planner picks, as for the eager call (the least
+    padding: 5 rows are one padded chunk of 128; 1100 rows nine chunks, the
+    last padded, each starting at its first row and reading the table's
+    columns up to its diagonal), causal with the bottom-right diagonal,
+    sequences with keys cached before the rows among them. Against the
+    float64 reference, garbage in unused slots, NaN in unused pages (the
+    guarded kernel)."""
     shape = dict(dtype="f16", seqlen_q=rows, nhead_q=4, nhead_k=2, hdim=32, page=16)
     prob = make_problem(rng, batch=len(seqlens), seqlens_k=seqlens, extra_slots=2, **shape)
     with turbine_fmha.export_options(formulation="online"):

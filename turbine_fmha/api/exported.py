@@ -6,15 +6,18 @@ torch.compile gets. The exported program then holds the paged gather and
 the attention with the rest of the model: one compiled program, one
 invoke per step, any IREE host.
 
-What is decided here, at export time, from the declared shapes alone:
-the variant (dtype, head counts, head dims, page size, page layout, mask,
-score terms), and the scalars the kernel takes (scale, soft-cap, window
-sides). Batch, page count and table width stay dynamic where the export
-declares them so. The kernel is the explicit formulation, which every
-target compiles, or under export_options(formulation="online") the GPUs'
-online kernel for a decode of a static batch, in the runtime's batch tile
-(docs/user-guide.md, "Inside exported programs"). fmha_fwd_kvcache and
-reshape_and_cache are here too.
+What is decided at export time is planned by the eager call's planner
+(calls/planner.py) for a problem of the declared shapes: the variant
+(dtype, head counts, head dims, page size, page layout, mask, score
+terms, tiles, splits), the launches and their scalars. Batch, page count
+and table width stay dynamic where the export declares them so (with a
+dynamic batch or row count the program is one launch over the whole
+call). The kernel is the
+explicit formulation, which every target compiles, or under
+export_options(formulation="online") the GPUs' online kernel for a static
+batch and row count (docs/user-guide.md, "Inside exported programs";
+docs/architecture.md, "One planner, eager and exported").
+fmha_fwd_kvcache and reshape_and_cache are here too.
 
 Checks that need values (the tables' contents) or run-time sizes cannot
 run on traced tensors. The program checks them itself: a guard
@@ -30,23 +33,21 @@ from __future__ import annotations
 import contextlib
 import math
 
+import numpy as np
 import torch
 
 from ..calls.mask import MaskSpec
-from ..calls.plan import FULL_LAUNCH_ROWS, PREFILL_LAUNCH_ELEMENTS
+from ..calls.options import KEYWORDS, declared
+from ..calls.plan import PER_RUN_ARGS
+from ..calls.planner import EXPORTED, make_plan, part_steps, part_variant
+from ..calls.problem import layout_of_params, problem, scores, tables
 from ..core.checks import check_float
 from ..kernels import custom_ops
-from ..kernels.signature import fwd_attrs
+from ..kernels.signature import call_args, fwd_attrs
 from ..kernels.turbine_compat import ensure_mlir_isinstance
-from ..kernels.variants import (
-    GPU_PREFILL_TILES,
-    MERGE_SPLITS,
-    Variant,
-    decode_batch_tile,
-    online_unsupported,
-    online_variant,
-)
-from .conventions import conventions
+from ..kernels.variants import MERGE_SPLITS, online_unsupported
+from ..runtime.selection import Catalog
+from .conventions import with_conventions
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -97,54 +98,25 @@ def export_options(*, formulation: str = "explicit", num_splits: int | None = No
         _OPTIONS.update(before)
 
 
-# Arguments the exported attention does not take yet, each with the value
-# that means "not used".
-_UNSUPPORTED = {
-    "seqstart_q": None,
-    "kv_offset": None,
-    "min_seqlen_q": 0,
-    "alibi_slopes": None,
-    "bias": None,
-    "q_scale": None,
-    "k_scale": None,
-    "v_scale": None,
-    "p_scale": None,
-    "out_scale": None,
-    "num_splits": None,
-    "out": None,
-}
+# Arguments of fmha_fwd_paged the exported attention does not take yet
+# (those the declaration, calls/options.py, does not give front end
+# "exported"), each with the value that means "not used".
+_UNSUPPORTED = {n: d for n, d in KEYWORDS["eager"].items() if n not in KEYWORDS["exported"]}
 
 
-def call_paged(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seqlen_k,
-    *,
-    scale=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=None,
-    mask_type="none",
-    window_size_left=-1,
-    window_size_right=-1,
-    sink_size=0,
-    logits_soft_cap=0.0,
-    sinks=None,
-    kv_layout="NHD",
-    v_layout="row",
-    return_lse=False,
-    kv_rows_finite=None,
-    device=None,
-    session=None,
-    **others,
-):
+@declared("exported")
+def call_paged(q, k_cache, v_cache, block_table, seqlen_k, **given):
     """fmha_fwd_paged while exporting (the public function routes here).
-    `kv_rows_finite`, `device` and `session` have no meaning in an
-    exported program (it runs where it is compiled for, and the explicit
-    kernels keep their stale-row guard) and are ignored."""
-    for name, value in others.items():
+    It takes the options calls/options.py declares for front end
+    "exported" (its signature); fmha_fwd_paged's others (_UNSUPPORTED)
+    only at their defaults. `kv_rows_finite`, `device` and `session` have
+    no meaning in an exported program (it runs where it is compiled for,
+    and the explicit kernels keep their stale-row guard) and are ignored."""
+    kw = dict(KEYWORDS["exported"])
+    for name, value in given.items():
+        if name in kw:
+            kw[name] = value
+            continue
         if name not in _UNSUPPORTED:
             raise TypeError(f"fmha_fwd_paged() got an unexpected keyword argument {name!r}")
         default = _UNSUPPORTED[name]
@@ -153,68 +125,36 @@ def call_paged(
                 f"{name} is not supported inside an exported program yet (batch mode with masks, scale, "
                 "logits_soft_cap and sinks is; docs/user-guide.md, 'Inside exported programs')"
             )
-    terms = conventions(
-        scale=scale,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        mask_type=mask_type,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-    )
-    mask = MaskSpec.from_args(terms["mask_type"], terms["window_size_left"], terms["window_size_right"], sink_size)
+    terms = with_conventions(kw)
+    sink_size, logits_soft_cap, sinks, kv_layout, v_layout, return_lse, kv_rows_finite = [
+        terms[n]
+        for n in ("sink_size", "logits_soft_cap", "sinks", "kv_layout", "v_layout", "return_lse", "kv_rows_finite")
+    ]
+    MaskSpec.from_args(
+        terms["mask_type"], terms["window_size_left"], terms["window_size_right"], sink_size
+    )  # its errors first
     _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layout)
-    hdim = q.shape[3]
-    softmax = math.sqrt(1.0 / hdim) if terms["scale"] is None else check_float(terms["scale"], "scale")
+    softmax = math.sqrt(1.0 / q.shape[3]) if terms["scale"] is None else check_float(terms["scale"], "scale")
     cap = check_float(logits_soft_cap, "logits_soft_cap")
     if cap < 0:
         raise ValueError(f"logits_soft_cap must be >= 0, got {cap}")
-    heads = 2 if kv_layout == "NHD" else 1
-    variant = Variant(
-        dtype=custom_ops.torch_dtype_name(q.dtype),
-        hdim_q=hdim,
-        hdim_v=v_cache.shape[2 if v_layout == "col" else 3],
-        nhead_q=q.shape[2],
-        nhead_k=k_cache.shape[heads],
-        page_block_size=k_cache.shape[1 if kv_layout == "NHD" else 2],
-        mask=mask.type,
-        softcap=bool(cap),
+    terms = dict(
+        scale=softmax,
+        logits_soft_cap=cap,
+        mask_type=terms["mask_type"],
+        window_size_left=terms["window_size_left"],
+        window_size_right=terms["window_size_right"],
+        sink_size=sink_size,
         sinks=sinks is not None,
-        kv_layout=kv_layout,
-        v_layout=v_layout,
-        formulation="explicit",
     )
+    shapes = _Shapes(q, k_cache, v_cache, block_table, kv_layout, v_layout)
+    options = dict(_OPTIONS, kv_rows_finite=kv_rows_finite)
+    planned = _plan(shapes.batch, shapes.rows, shapes.width, shapes.sizes, terms, options)
+    if planned[0] == "error":
+        raise {"NotImplementedError": NotImplementedError}.get(planned[1], ValueError)(planned[2])
     block_table, seqlen_k = _guarded(q, k_cache, v_cache, block_table, seqlen_k, kv_layout)
-    left, right = mask.kernel_sides
-    scalars = (
-        torch.tensor([softmax, cap, 1.0, 1.0], dtype=torch.float32),
-        torch.tensor([0, left, right, mask.sink], dtype=torch.int32),
-        None,
-        None,
-        None if sinks is None else sinks.to(torch.float32),
-    )
-    if _OPTIONS["formulation"] == "online":
-        batch, rows = q.shape[:2]
-        if not isinstance(batch, int) or not isinstance(rows, int):
-            raise NotImplementedError(
-                "export_options(formulation='online') takes a static batch and static query rows (a decode, "
-                "seqlen_q 1, or a prefill bucket); export this call with the explicit formulation (the "
-                "default), or declare its batch and rows static"
-            )
-        online = _online_decode if rows == 1 else _online_prefill
-        out, lse = online(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite)
-    else:
-        out, lse, _, _ = _FWD_EXPLICIT(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            torch.full_like(seqlen_k, q.shape[1]),  # batch mode: every sequence has all q's rows
-            seqlen_k,
-            torch.zeros_like(seqlen_k),  # kv_shift: no gappy KV
-            *scalars,
-            *fwd_attrs(variant).values(),
-        )
+    sinks = None if sinks is None else sinks.to(torch.float32)
+    out, lse = _launch(shapes, planned, q, k_cache, v_cache, block_table, seqlen_k, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -233,140 +173,203 @@ def _guarded(q, k_cache, v_cache, block_table, seqlen_k, kv_layout):
     return block_table, _GUARD_PAGED(q, k_cache, v_cache, block_table, seqlen_k, page_axis)
 
 
-def _online_decode(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
-    """The online decode of a static batch: launches of the runtime's batch
-    tile, each padded to it with sequences of no keys that read the first
-    sequence's pages (finite, as the guard-free kernels require of every
-    page they read; docs/abi.md, finite_stale_rows). With num_splits n
-    (export_options), each sequence is n entries over runs of its table's
-    columns, as plan.split_kv makes them: entry b * n + j keeps absolute
-    key positions (kv_shift -j * columns * page), the table padded with
-    each row's first page (plan.split_kv's runs, one column longer); the
-    merged variant folds a sequence's n entries into its one result."""
-    batch = q.shape[0]
-    problem = variant.problem
-    if not mask.decode_needs_mask(alibi=False):
-        # As the runtime does (attention._Plan._key): the last row sees
-        # every key, and the GPU sets' decode tiles are the mask-free ones.
-        problem = dict(problem, mask="none")
-    why = online_unsupported(problem, decode=True)
-    if why:
-        raise NotImplementedError(f"export_options(formulation='online'): {why}")
-    splits = _OPTIONS["num_splits"] or 1
-    merged = {"merge_splits": splits} if splits > 1 else {}
-    tile = decode_batch_tile(batch * splits, splits if splits > 1 else 0)  # in entries
-    kernel = online_variant(
-        problem, tile, 1, v_guard=not (kv_rows_finite is True and variant.v_layout == "row"), **merged
+class _Shapes:
+    """The call's declared sizes: ints where static, None where the export
+    declares them dynamic (kept out of the plan: _plan runs on constants)."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, kv_layout, v_layout):
+        def static(x):
+            # Under dynamo a declared-dynamic size is an int to isinstance
+            # and to type(); its __class__ tells.
+            return x if x.__class__ is int else None
+
+        nhd = kv_layout == "NHD"
+        self.batch, self.rows = static(q.shape[0]), static(q.shape[1])
+        self.width = static(block_table.shape[1])
+        self.sizes = dict(
+            page=k_cache.shape[1 if nhd else 2],
+            nhead_q=q.shape[2],
+            nhead_k=k_cache.shape[2 if nhd else 1],
+            hdim=q.shape[3],
+            hdim_v=v_cache.shape[2 if v_layout == "col" else 3],
+            dtype=custom_ops.torch_dtype_name(q.dtype),
+            kv_layout=kv_layout,
+            v_layout=v_layout,
+        )
+
+
+@torch._dynamo.assume_constant_result
+def _plan(batch, rows, width, sizes: dict, terms: dict, options: dict) -> tuple:
+    """The planner's plan (calls/planner.py), as the eager call plans, of a
+    problem of the call's shapes whose seqlen_k is the most its table holds
+    (planner.EXPORTED: no cut that only values decide), on the variants an
+    exported program can compile (selection.Catalog), as constants for the
+    program: ("ok", the variant's formulation, its attributes, its argument
+    names after the caches, whether it takes sinks, the split count, the
+    steps or None, the first step's fparams and iparams), or ("error",
+    exception name, message). The steps (b0, b1, s, e, tile, width, merge,
+    seqlen_q, fparams, iparams) are the program's launches where the batch
+    and rows are static (a dynamic table width: planned as one column, so
+    no step is cut for its width); otherwise the program is one launch of
+    the planned variant over the whole call. Dynamo calls it once while tracing, on
+    constants (it runs numpy, which dynamo does not trace)."""
+    formulation, splits = options["formulation"], options["num_splits"]
+    if formulation == "online" and (batch is None or rows is None):
+        return (
+            "error",
+            "NotImplementedError",
+            "export_options(formulation='online') takes a static batch and static query rows (a decode, "
+            "seqlen_q 1, or a prefill bucket); export this call with the explicit formulation (the "
+            "default), or declare its batch and rows static",
+        )
+    if splits and rows != 1:
+        return (
+            "error",
+            "NotImplementedError",
+            "export_options(num_splits=...) splits decodes (seqlen_q 1); export this prefill without it",
+        )
+    page = sizes["page"]
+    nb = batch if batch is not None else 1
+    nr = rows if rows is not None else 2  # not a decode: its mask stays
+    nw = width if width is not None else max(1, splits or 1)
+    layout = layout_of_params(num_pages=1, page_block_size=page, **{k: v for k, v in sizes.items() if k != "page"})
+    t = tables(np.zeros((nb, nw), np.int32), np.full(nb, nw * page, np.int32), layout, q_shape=(nb, nr))
+    sinks = np.zeros(sizes["nhead_q"], np.float32) if terms["sinks"] else None
+    s = scores(layout, t, **dict(terms, sinks=sinks))
+    p = problem(layout, t, s, num_splits=splits or 1, kv_rows_finite=options["kv_rows_finite"])
+    catalog = Catalog(formulation)
+    plan = make_plan(p, catalog, EXPORTED)
+    part = plan.parts[0]
+    variant = part_variant(p, part, catalog, part.guard_free and options["kv_rows_finite"] is True)
+    if formulation == "online" and variant.formulation != "online":
+        why = online_unsupported(part.key, nr == 1) or "no online kernel serves it"
+        return ("error", "NotImplementedError", f"export_options(formulation='online'): {why}")
+    steps = part_steps(part, variant)
+    if _RECORD is not None:
+        _RECORD.append((variant, steps if None not in (batch, rows) else None))
+    names = tuple(a for a in call_args(variant) if a not in PER_RUN_ARGS)
+    at = {n: i for i, n in enumerate(names)}
+    launches = tuple(
+        (st.b0, st.b1, st.s, st.e, st.tile, st.width, st.merge, tuple(int(x) for x in st.args[at["seqlen_q"]]))
+        + tuple(tuple(float(x) if a == "fparams" else int(x) for x in st.args[at[a]]) for a in ("fparams", "iparams"))
+        for st in steps
     )
-    table, shift = block_table, torch.zeros_like(seqlen_k)
-    if splits > 1:
-        width = block_table.shape[1]
-        # One column more than the width needs: a run of one column is a
-        # size torch.export specializes (it guards per != 1 and refuses a
-        # width Dim that allows it). The extra column holds no keys.
-        per = (width + splits - 1) // splits + 1
-        # Columns past the width read column 0 (an index, not a cat of an
-        # expand, whose symbolic size torch.export would guard too).
-        cols = torch.arange(per * splits)
-        table = block_table[:, torch.where(cols < width, cols, 0)].reshape(batch * splits, per)
-        shift = (torch.arange(splits, dtype=torch.int32) * (-per * k_cache.shape[1])).repeat(batch)
-    # Per entry: one query row, its sequence's keys.
-    entry_rows = torch.ones(batch * splits, dtype=torch.int32)
-    entry_keys = seqlen_k.repeat_interleave(splits) if splits > 1 else seqlen_k
-    seqs = tile // splits  # sequences a launch holds
-    zeros = lambda k, part: torch.zeros((k, *part.shape[1:]), dtype=part.dtype)
-    first_row = lambda k, part: part[:1].expand(k, *part.shape[1:])
+    return (
+        "ok",
+        variant.formulation,
+        tuple(fwd_attrs(variant).values()),
+        bool(variant.sinks),
+        part.splits,
+        launches if None not in (batch, rows) else None,
+        launches[0][8:10],
+    )
 
-    def padded(t, start, n, size, fill):
-        part = t[start : start + n]
-        return part if n == size else torch.cat([part, fill(size - n, part)])
 
-    outs, lses = [], []
-    for start in range(0, batch, seqs):
-        n = min(seqs, batch - start)
-        e0, ne = start * splits, n * splits
-        # Padding entries: no rows and no keys (seqlen 0), over the first
-        # sequence's first page.
-        out, lse, _, _ = _FWD_ONLINE(
-            padded(q, start, n, seqs, zeros),
+# A list while a test records what each exported call planned: (variant,
+# steps or None) per call.
+_RECORD = None
+
+
+def _launch(shapes, planned, q, k_cache, v_cache, block_table, seqlen_k, sinks):
+    """The kernel op once per planned step, each step's tables taken from
+    the program's inputs (the plan's own are of its stand-in problem), the
+    results joined as the steps tile the outputs."""
+    _, formulation, attrs, takes_sinks, n, steps, (fparams, iparams) = planned
+    op = _FWD_ONLINE if formulation == "online" else _FWD_EXPLICIT
+    sinks = sinks if takes_sinks else None
+    if steps is None:  # dynamic sizes: one launch over the whole call
+        out, lse, _, _ = op(
+            q,
             k_cache,
             v_cache,
-            padded(table, e0, ne, tile, first_row),
-            padded(entry_rows, e0, ne, tile, zeros),
-            padded(entry_keys, e0, ne, tile, zeros),
-            padded(shift, e0, ne, tile, zeros),
-            *scalars,
-            *fwd_attrs(kernel).values(),
+            block_table,
+            torch.full_like(seqlen_k, q.shape[1]),  # batch mode: every sequence has all q's rows
+            seqlen_k,
+            torch.zeros_like(seqlen_k),  # kv_shift: no gappy KV
+            torch.tensor(fparams, dtype=torch.float32),
+            torch.tensor(iparams, dtype=torch.int32),
+            None,
+            None,
+            sinks,
+            *attrs,
         )
-        outs.append(out[:n])
-        lses.append(lse[:n])
-    return torch.cat(outs) if len(outs) > 1 else outs[0], torch.cat(lses) if len(lses) > 1 else lses[0]
-
-
-def _prefill_tile(batch: int, rows: int) -> int:
-    """The query rows of the one-sequence prefill tile (GPU_PREFILL_TILES)
-    for `rows` rows of `batch` sequences: the least modelled time, as the
-    runtime's plan.modelled_cost counts it (a launch of fewer than
-    FULL_LAUNCH_ROWS rows at a lower rate, a cost per launch). The chunks
-    of a program read the whole table (it is not cut at their diagonal:
-    the keys are not known when exporting), so each tile's launches cost
-    the same keys."""
-
-    best, best_cost = 0, math.inf
-    for b, tile in GPU_PREFILL_TILES:  # a plain loop: dynamo traces this
-        launches = batch * -(-rows // tile)
-        rate = min(1.0, tile / FULL_LAUNCH_ROWS) ** (2 / 3)
-        cost = launches * (tile * rows / rate + PREFILL_LAUNCH_ELEMENTS)
-        if b == 1 and cost < best_cost:
-            best, best_cost = tile, cost
-    return best
-
-
-def _online_prefill(variant, mask, q, k_cache, v_cache, block_table, seqlen_k, scalars, kv_rows_finite):
-    """A prefill bucket (static batch and rows) on the online kernel: per
-    sequence, its rows in chunks of the tile's rows, each a launch of the
-    one-sequence prefill tile that starts at the chunk's first row (the
-    kernel's iparams[0], as plan.kernel_steps passes it); the last chunk
-    padded with zero rows, whose outputs are dropped."""
-    batch, rows = q.shape[:2]
-    if _OPTIONS["num_splits"]:
-        raise NotImplementedError(
-            "export_options(num_splits=...) splits decodes (seqlen_q 1); export this prefill without it"
+        return out, lse
+    table, shift, keys = block_table, torch.zeros_like(seqlen_k), seqlen_k
+    if n > 1:  # merged in the module (planner.EXPORTED merges no splits on the host)
+        table, shift, keys = _split_entries(block_table, seqlen_k, n, shapes)
+    rows_out, outs, lses, span = [], [], [], None
+    for b0, b1, s, e, tile, width, m, seqlen_q, fparams, iparams in steps:
+        size = tile[0] if tile else b1 - b0
+        tb = table[b0:b1]
+        if n == 1 and shapes.width is not None and width < shapes.width:
+            tb = tb[:, :width]  # the columns its rows can reach (plan.kernel_steps)
+        qs = q[b0 // m : b1 // m, s:e]
+        if tile:
+            qs = _padded(_padded(qs, 1, tile[1], _zeros), 0, size // m, _zeros)
+        out, lse, _, _ = op(
+            qs,
+            k_cache,
+            v_cache,
+            _padded(tb, 0, size, _first_row),
+            torch.tensor(seqlen_q, dtype=torch.int32),
+            _padded(keys[b0:b1], 0, size, _zeros),
+            _padded(shift[b0:b1], 0, size, _zeros),
+            torch.tensor(fparams, dtype=torch.float32),
+            torch.tensor(iparams, dtype=torch.int32),
+            None,
+            None,
+            sinks,
+            *attrs,
         )
-    problem = variant.problem
-    why = online_unsupported(problem)
-    if why:
-        raise NotImplementedError(f"export_options(formulation='online'): {why}")
-    tile = _prefill_tile(batch, rows)
-    kernel = online_variant(problem, 1, tile, v_guard=not (kv_rows_finite is True and variant.v_layout == "row"))
-    fparams, iparams, *terms = scalars
-    seqlen_q = torch.full((1,), rows, dtype=torch.int32)
-    outs, lses = [], []
-    for b in range(batch):
-        row_outs, row_lses = [], []
-        for start in range(0, rows, tile):
-            n = min(tile, rows - start)
-            chunk = q[b : b + 1, start : start + n]
-            if n < tile:
-                chunk = torch.cat([chunk, torch.zeros((1, tile - n, *chunk.shape[2:]), dtype=chunk.dtype)], 1)
-            out, lse, _, _ = _FWD_ONLINE(
-                chunk,
-                k_cache,
-                v_cache,
-                block_table[b : b + 1],
-                seqlen_q,
-                seqlen_k[b : b + 1],
-                torch.zeros((1,), dtype=torch.int32),  # kv_shift: no gappy KV
-                fparams,
-                torch.cat([torch.tensor([start], dtype=torch.int32), iparams[1:]]),
-                *terms,
-                *fwd_attrs(kernel).values(),
-            )
-            row_outs.append(out[:, :n])
-            row_lses.append(lse[:, :, :n])
-        outs.append(torch.cat(row_outs, 1) if len(row_outs) > 1 else row_outs[0])
-        lses.append(torch.cat(row_lses, 2) if len(row_lses) > 1 else row_lses[0])
-    return torch.cat(outs) if batch > 1 else outs[0], torch.cat(lses) if batch > 1 else lses[0]
+        nb = (b1 - b0) // m
+        if span != (b0, b1) and rows_out:
+            outs.append(_cat([o for o, _ in rows_out], 1))
+            lses.append(_cat([x for _, x in rows_out], 2))
+            rows_out = []
+        span = (b0, b1)
+        rows_out.append((out[:nb, : e - s], lse[:nb, :, : e - s]))
+    outs.append(_cat([o for o, _ in rows_out], 1))
+    lses.append(_cat([x for _, x in rows_out], 2))
+    return _cat(outs, 0), _cat(lses, 0)
+
+
+def _split_entries(block_table, seqlen_k, n: int, shapes: _Shapes):
+    """plan.split_kv's entries in the program: entry b * n + j is split j
+    of sequence b over its run of the table's columns, absolute key
+    positions kept (kv_shift -j * columns * page), each row padded with its
+    first page. One column more than the width needs: a run of one column
+    is a size torch.export specializes (it guards per != 1 and refuses a
+    width Dim that allows it); the extra column holds no keys."""
+    batch, width = block_table.shape
+    per = (width + n - 1) // n + 1
+    # Columns past the width read column 0 (an index, not a cat of an
+    # expand, whose symbolic size torch.export would guard too).
+    cols = torch.arange(per * n)
+    table = block_table[:, torch.where(cols < width, cols, 0)].reshape(batch * n, per)
+    shift = (torch.arange(n, dtype=torch.int32) * (-per * shapes.sizes["page"])).repeat(batch)
+    return table, shift, seqlen_k.repeat_interleave(n)
+
+
+def _zeros(k, part):
+    return torch.zeros((k, *part.shape[1:]), dtype=part.dtype)
+
+
+def _first_row(k, part):
+    return part[:1].expand(k, *part.shape[1:])
+
+
+def _padded(t, axis: int, size: int, fill):
+    """t padded along `axis` to `size` (fill(count, t) makes the rows)."""
+    have = t.shape[axis]
+    if have == size:
+        return t
+    if axis == 0:
+        return torch.cat([t, fill(size - have, t)])
+    return torch.cat([t, torch.zeros((t.shape[0], size - have, *t.shape[2:]), dtype=t.dtype)], axis)
+
+
+def _cat(xs, axis: int):
+    return xs[0] if len(xs) == 1 else torch.cat(xs, axis)
 
 
 def _check(q, k_cache, v_cache, block_table, seqlen_k, sinks, kv_layout, v_layout) -> None:

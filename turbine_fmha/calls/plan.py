@@ -79,6 +79,11 @@ class KernelCall:
     # split_kv's entries per sequence when a variant merges them in the
     # module (1: the entries are the sequences, or merged on the host).
     merged: int = 1
+    # Whether seqlen_q and seqlen_k hold the call's values, not the most a
+    # table of its shapes can hold (an exported program's plan): a step's
+    # table is then cut at the last page its rows can reach, which such
+    # bounds only overstate, but never at a first page (_first_page).
+    exact: bool = True
 
     @property
     def batch(self) -> int:
@@ -288,7 +293,7 @@ def _first_page(c: KernelCall, mask: MaskSpec, b0: int, b1: int, row_start: int,
     visible keys fall outside the first `width` columns, see nothing
     whatever the table (split_kv's entries before the window, padding), so
     they do not hold it back."""
-    if not mask.has_left_edge or b1 <= b0:
+    if not mask.has_left_edge or b1 <= b0 or not c.exact:
         return 0
     sq, sk = c.seqlen_q[b0:b1], c.seqlen_k[b0:b1]
     shift = c.kv_shift[b0:b1].astype(np.int64)

@@ -66,9 +66,11 @@ from .problem import Problem
 class Policy:
     """What a plan may take from the tables' values."""
 
-    # Cut tables to a window's pages and a windowed decode to its keys
-    # (plan.window_keys, window_cut): both read seqlen_k.
-    window_cuts: bool = True
+    # The tables hold the call's values. Without them (an exported program's
+    # plan is made of a problem of its shapes, seqlen_k the most its tables
+    # hold), no cut that only values decide: a window's first pages, a
+    # windowed decode's keys (plan.window_cut, window_keys, KernelCall.exact).
+    values_known: bool = True
     # Run prefill rows as row entries (plan.row_entries) where cheaper.
     entries: bool = True
     # Split the keys where no variant merges the splits in the module (the
@@ -78,7 +80,7 @@ class Policy:
 
 EAGER = Policy()
 # An exported program: its tables are inputs of the program.
-EXPORTED = Policy(window_cuts=False, entries=False, host_merge=False)
+EXPORTED = Policy(values_known=False, entries=False, host_merge=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +152,9 @@ def _part(p: Problem, catalog, policy: Policy, active: np.ndarray) -> Part:
         sinks=s.sinks,
     )
     window_decode = False
-    if policy.window_cuts:
+    if not policy.values_known:
+        call = dataclasses.replace(call, exact=False)
+    else:
         # A windowed decode becomes one over its window's keys, which the
         # mask-free decode tiles serve (_key); any window then reads from
         # the first page it sees.

@@ -261,3 +261,16 @@ class VariantSelection:
         bt, mq = (decode_batch_tile(batch, merge), 1) if seqlen_q == 1 else GPU_PREFILL_TILE
         guard = not (stale_rows_finite and problem["v_layout"] == "row")
         return online_variant(problem, bt, mq, v_guard=guard, merge_splits=merge)
+
+
+class Catalog(VariantSelection):
+    """Every variant of one formulation, compiled where chosen: what an
+    exported program holds (iree-turbine compiles its kernels with the
+    program), for the planner (calls/planner.py) to choose from as a
+    session with compile_missing does."""
+
+    def __init__(self, formulation: str, compute_units: int = 1):
+        self.formulation, self.compute_units = formulation, compute_units
+        self.compile_missing = True
+        self._by_problem, self._index = {}, {}
+        self._variants_changed()
