@@ -25,13 +25,13 @@ class AppendKernel(Named):
 
     # The metadata writes the name: pagedkv_append_<dtype>_h<nhead_k>
     # _d<hdim>x<hdim_v>_pg<page>[_ropei|_ropeh].
-    dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in APPEND_DTYPES}))
-    nhead_k: int = dataclasses.field(metadata=number(1, "_h"))
-    hdim: int = dataclasses.field(metadata=number(2, "_d"))
-    hdim_v: int = dataclasses.field(metadata=number(3, "x"))
-    page_block_size: int = dataclasses.field(metadata=number(4, "_pg"))
+    dtype: str = dataclasses.field(metadata=enum({d: f"_{d}" for d in APPEND_DTYPES}))
+    nhead_k: int = dataclasses.field(metadata=number("_h"))
+    hdim: int = dataclasses.field(metadata=number("_d"))
+    hdim_v: int = dataclasses.field(metadata=number("x"))
+    page_block_size: int = dataclasses.field(metadata=number("_pg"))
     rotary: str = dataclasses.field(
-        default="none", metadata=enum(5, {"none": "", "interleaved": "_ropei", "half": "_ropeh"})
+        default="none", metadata=enum({"none": "", "interleaved": "_ropei", "half": "_ropeh"})
     )
 
     def __post_init__(self):
@@ -47,4 +47,16 @@ class AppendKernel(Named):
             raise ValueError("rotary embedding needs an f16/bf16/f32 cache, got dtype='i8' (fp8 bytes)")
 
 
-AppendKernel.names = NameCodec(AppendKernel, "pagedkv_append")
+# The order of the fields in a AppendKernel's name.
+AppendKernel.names = NameCodec(
+    AppendKernel,
+    "pagedkv_append",
+    (
+        "dtype",
+        "nhead_k",
+        "hdim",
+        "hdim_v",
+        "page_block_size",
+        "rotary",
+    ),
+)

@@ -1,8 +1,9 @@
 """Kernel names generated from the dataclass fields' metadata.
 
-Each named field carries a `token` (`enum`/`number`): where it stands in the
-name and how its value is written. `NameCodec` derives both directions from
-those tokens, so writing and parsing a name cannot drift apart.
+Each named field carries a `token` (`enum`/`number`): how its value is
+written. `NameCodec` takes the order of the fields in the name, and
+derives both directions from it and the tokens, so writing and parsing a
+name cannot drift apart.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ _ABSENT = object()
 
 @dataclasses.dataclass(frozen=True)
 class Token:
-    order: int
     texts: dict | None = None  # value -> text (enums and flags)
     prefix: str = ""  # numbers: the text before the digits
     omit: object = _ABSENT  # numbers: the value written as nothing
@@ -39,24 +39,26 @@ class Token:
         return self.omit if text is None else int(text)
 
 
-def enum(order: int, texts: dict) -> dict:
+def enum(texts: dict) -> dict:
     """Field metadata: the value is written as `texts[value]`."""
-    return {"token": Token(order, texts=texts)}
+    return {"token": Token(texts=texts)}
 
 
-def number(order: int, prefix: str, omit=_ABSENT) -> dict:
+def number(prefix: str, omit=_ABSENT) -> dict:
     """Field metadata: the value is written as `prefix` + digits (nothing
     when it equals `omit`)."""
-    return {"token": Token(order, prefix=prefix, omit=omit)}
+    return {"token": Token(prefix=prefix, omit=omit)}
 
 
 class NameCodec:
-    """Names of the instances of dataclass `cls`: `stem` then each token in
-    order."""
+    """Names of the instances of dataclass `cls`: `stem` then the token of
+    each field of `order`, which names every field that has one."""
 
-    def __init__(self, cls, stem: str):
-        fields = [f for f in dataclasses.fields(cls) if "token" in f.metadata]
-        self.tokens = sorted(((f.metadata["token"], f.name) for f in fields), key=lambda t: t[0].order)
+    def __init__(self, cls, stem: str, order: tuple):
+        fields = {f.name: f for f in dataclasses.fields(cls) if "token" in f.metadata}
+        if sorted(order) != sorted(fields):  # pragma: no cover - a new field must take its place
+            raise TypeError(f"{cls.__name__}'s name order {order} must list its named fields {sorted(fields)}")
+        self.tokens = [(fields[n].metadata["token"], n) for n in order]
         self.cls = cls
         self.stem = stem
         body = "".join(tok.pattern(name) for tok, name in self.tokens)

@@ -61,29 +61,29 @@ class Variant(Named):
     # _d<hdim_q>x<hdim_v>[_h<nhead_q>x<nhead_k>|_g<group>]_pg<page>[_hnd][_vcol][_kv<fp8>]
     # _<mask>[_alibi|_bias<shape>][_softcap][_sink]_<lse|nlse>_<formulation>
     # [_b<batch_tile>_q<seqlen_q_tile>][_nvguard][_m<group_rows>][_x<merge_splits>|_xn].
-    dtype: str = dataclasses.field(metadata=enum(0, {d: f"_{d}" for d in DTYPES}))
-    hdim_q: int = dataclasses.field(metadata=number(1, "_d"))
-    hdim_v: int = dataclasses.field(metadata=number(2, "x"))
-    nhead_q: int = dataclasses.field(metadata=number(3, "_h", omit=0))
-    nhead_k: int = dataclasses.field(metadata=number(4, "x", omit=0))
+    dtype: str = dataclasses.field(metadata=enum({d: f"_{d}" for d in DTYPES}))
+    hdim_q: int = dataclasses.field(metadata=number("_d"))
+    hdim_v: int = dataclasses.field(metadata=number("x"))
+    nhead_q: int = dataclasses.field(metadata=number("_h", omit=0))
+    nhead_k: int = dataclasses.field(metadata=number("x", omit=0))
     # Rows per page; 0 (explicit variants only, named _pg0): any page size,
     # read from the caches' shapes at run time, so that one artifact serves
     # every page size of its other fields.
-    page_block_size: int = dataclasses.field(metadata=number(6, "_pg"))
-    mask: str = dataclasses.field(default="none", metadata=enum(9, _MASK_TAG))
+    page_block_size: int = dataclasses.field(metadata=number("_pg"))
+    mask: str = dataclasses.field(default="none", metadata=enum(_MASK_TAG))
     bias: str = dataclasses.field(
-        default="none", metadata=enum(10, {"none": "", "alibi": "_alibi", "elementwise": "_bias"})
+        default="none", metadata=enum({"none": "", "alibi": "_alibi", "elementwise": "_bias"})
     )
-    bias_shape: str = dataclasses.field(default="", metadata=enum(11, {s: s for s in ("",) + BIAS_SHAPES}))
-    softcap: bool = dataclasses.field(default=False, metadata=enum(12, _flag("_softcap")))
-    sinks: bool = dataclasses.field(default=False, metadata=enum(13, _flag("_sink")))
+    bias_shape: str = dataclasses.field(default="", metadata=enum({s: s for s in ("",) + BIAS_SHAPES}))
+    softcap: bool = dataclasses.field(default=False, metadata=enum(_flag("_softcap")))
+    sinks: bool = dataclasses.field(default=False, metadata=enum(_flag("_sink")))
     # V cache layout: "row" (the page layout's) or "col" [pages, nhead_k,
     # hdim_v, page] (ck_tile's column-major V).
-    v_layout: str = dataclasses.field(default="row", metadata=enum(7, {"row": "", "col": "_vcol"}))
+    v_layout: str = dataclasses.field(default="row", metadata=enum({"row": "", "col": "_vcol"}))
     # fp8 KV cache format ("" = same as dtype); queries stay fp16/bf16.
-    kv_dtype: str = dataclasses.field(default="", metadata=enum(8, {"": ""} | {k: f"_kv{k}" for k in KV_DTYPES}))
-    lse: bool = dataclasses.field(default=True, metadata=enum(14, {True: "_lse", False: "_nlse"}))
-    formulation: str = dataclasses.field(default="explicit", metadata=enum(15, {f: f"_{f}" for f in FORMULATIONS}))
+    kv_dtype: str = dataclasses.field(default="", metadata=enum({"": ""} | {k: f"_kv{k}" for k in KV_DTYPES}))
+    lse: bool = dataclasses.field(default=True, metadata=enum({True: "_lse", False: "_nlse"}))
+    formulation: str = dataclasses.field(default="explicit", metadata=enum({f: f"_{f}" for f in FORMULATIONS}))
     # The stale-row guard: zero the value rows that hold no key (the tail of
     # a sequence's last page, the head of its first page with gappy KV)
     # before the PV product, so that non-finite stale values cannot reach
@@ -93,10 +93,10 @@ class Variant(Named):
     # on the H200, and the runtime uses them only after checking that
     # those rows are finite (plan.stale_rows_finite). Both propagate NaN
     # exactly as the reference does.
-    v_guard: bool = dataclasses.field(default=True, metadata=enum(18, _flag("_nvguard", when=False)))
+    v_guard: bool = dataclasses.field(default=True, metadata=enum(_flag("_nvguard", when=False)))
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
-    batch_tile: int = dataclasses.field(default=0, metadata=number(16, "_b", omit=0))
-    seqlen_q_tile: int = dataclasses.field(default=0, metadata=number(17, "_q", omit=0))
+    batch_tile: int = dataclasses.field(default=0, metadata=number("_b", omit=0))
+    seqlen_q_tile: int = dataclasses.field(default=0, metadata=number("_q", omit=0))
     # Query rows per KV head the attention op computes (online only; 0 = the
     # GQA group x seqlen_q_tile, unpadded): the group is zero-padded up to
     # group_rows / seqlen_q_tile heads. IREE's GPU configuration uses no
@@ -104,14 +104,14 @@ class Variant(Named):
     # 4), and mma.sync / MFMA tiles are 16 rows; padded, a decode reads each
     # K/V page once per KV head instead of once per query head
     # (docs/devlog/perf-notes.md).
-    group_rows: int = dataclasses.field(default=0, metadata=number(19, "_m", omit=0))
+    group_rows: int = dataclasses.field(default=0, metadata=number("_m", omit=0))
     # Split-KV merged inside the module (online only; 0 = no merge): the
     # kernel's batch_tile entries are split j of sequence b at entry
     # b * merge_splits + j (plan.split_kv), q and the results are per
     # sequence, and the partials are merged before the epilogue. A host
     # merge of the partials costs more than the splits save on a GPU
     # (plan.DECODE_ITEMS_PER_UNIT).
-    merge_splits: int = dataclasses.field(default=0, metadata=number(20, "_x", omit=0))
+    merge_splits: int = dataclasses.field(default=0, metadata=number("_x", omit=0))
     # Split-KV merged inside the module for any split count n (named _xn):
     # read at run time from q's batch (batch_tile / n sequences), with the
     # entries split-major (split j of sequence b at entry j * sequences + b,
@@ -119,19 +119,19 @@ class Variant(Named):
     # steps reorder plan.split_kv's entries). One kernel per tile serves
     # every count that divides it, where merge_splits needs one per count
     # (docs/devlog/perf-notes.md, "A run-time split count").
-    merge_any: bool = dataclasses.field(default=False, metadata=enum(20.5, _flag("_xn")))
+    merge_any: bool = dataclasses.field(default=False, metadata=enum(_flag("_xn")))
     # Run-time head counts: a variant with nhead_q = nhead_k = 0 reads both
     # from its arguments' shapes, so one artifact serves every model of its
     # other fields. `group` is then its static GQA group (nhead_q / nhead_k,
     # named _g<group>), or 0 for any group: in the online formulation any
     # group up to its padded group (group_rows / seqlen_q_tile), whose rows
     # the matrix cores need static.
-    group: int = dataclasses.field(default=0, metadata=number(5, "_g", omit=0))
+    group: int = dataclasses.field(default=0, metadata=number("_g", omit=0))
     # Page layout of both caches (KV_LAYOUTS). With head-major pages a
     # page's rows of one head are a fixed hdim apart whatever the head
     # count, which keeps the addressing of run-time-head variants static
     # (docs/devlog/perf-notes.md, "Run-time head counts").
-    kv_layout: str = dataclasses.field(default="NHD", metadata=enum(6.5, {"NHD": "", "HND": "_hnd"}))
+    kv_layout: str = dataclasses.field(default="NHD", metadata=enum({"NHD": "", "HND": "_hnd"}))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -273,7 +273,36 @@ class Variant(Named):
         return {f: getattr(self, f) for f in PROBLEM_FIELDS}
 
 
-Variant.names = NameCodec(Variant, "pagedkv_fwd")
+# The order of the fields in a Variant's name.
+Variant.names = NameCodec(
+    Variant,
+    "pagedkv_fwd",
+    (
+        "dtype",
+        "hdim_q",
+        "hdim_v",
+        "nhead_q",
+        "nhead_k",
+        "group",
+        "page_block_size",
+        "kv_layout",
+        "v_layout",
+        "kv_dtype",
+        "mask",
+        "bias",
+        "bias_shape",
+        "softcap",
+        "sinks",
+        "lse",
+        "formulation",
+        "batch_tile",
+        "seqlen_q_tile",
+        "v_guard",
+        "group_rows",
+        "merge_splits",
+        "merge_any",
+    ),
+)
 
 
 def bias_shape_of(bias) -> str:
