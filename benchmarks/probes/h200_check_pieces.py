@@ -4,7 +4,7 @@ cache (decode b32 x 4096 shape: 672 stale rows of [8, 128] f16), each
 piece queued N times back to back, then one sync: what run()'s default
 path adds to the host's side of a call. "old" is the check of cf1d16a
 (isfinite, then all), "now" plan.rows_sum behind a reused pinned float
-and event (core.arrays.LaterBool).
+and event (runtime.executor.LaterBool).
 
     python3 benchmarks/probes/h200_check_pieces.py
 """
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from turbine_fmha.calls.plan import rows_sum, stale_rows
-from turbine_fmha.core.arrays import LaterBool
+from turbine_fmha.runtime.executor import LaterBool
 
 PAGE, HK, D, N = 16, 8, 128, 2000
 

@@ -10,7 +10,6 @@ it is imported only when a torch tensor is passed.
 from __future__ import annotations
 
 import sys
-import threading
 
 import numpy as np
 
@@ -223,55 +222,6 @@ def torch_writes_done(device=None) -> None:
     import torch
 
     torch.cuda.current_stream(device).synchronize()
-
-
-class LaterBool:
-    """predicate(x) for the 0-d array x that `compute` yields, asked for
-    early and read late: start() queues compute, value() reads it. A torch
-    GPU x travels to pinned host memory behind an event on torch's current
-    stream, so reading it waits for the work queued up to it and for
-    nothing queued later."""
-
-    # Per thread and device, the (pinned float, event) pairs of values read:
-    # reused, so a check allocates nothing.
-    _spare = threading.local()
-
-    def __init__(self, compute, predicate=bool):
-        self._compute, self._predicate = compute, predicate
-        self._host = self._pair = None
-        self._started = False
-
-    def start(self) -> None:
-        if self._started:
-            return
-        self._started = True
-        x = self._compute()
-        if not (_is_torch(x) and x.is_cuda):
-            self._host = self._predicate(float(x))
-            return
-        import torch
-
-        pools = getattr(self._spare, "pools", None)
-        if pools is None:
-            pools = self._spare.pools = {}
-        self._spare_list = pools.setdefault(x.device, [])  # an event records on its device's streams only
-        if self._spare_list:
-            self._pair = self._spare_list.pop()
-        else:
-            with torch.cuda.device(x.device):
-                self._pair = (torch.empty((), dtype=torch.float32, pin_memory=True), torch.cuda.Event())
-        host, event = self._pair
-        host.copy_(x, non_blocking=True)
-        event.record(torch.cuda.current_stream(x.device))
-
-    def value(self) -> bool:
-        self.start()
-        if self._pair is not None:
-            host, event = self._pair
-            event.synchronize()
-            self._host, self._pair = self._predicate(float(host)), None
-            self._spare_list.append((host, event))
-        return self._host
 
 
 def _numpy_to_torch(a: np.ndarray):

@@ -14,6 +14,7 @@ the host; row entries rearranged; varlen rows regrouped).
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -23,7 +24,6 @@ from ..calls.plan import combine_splits, repeat_rows, rows_finite, rows_sum
 from ..calls.planner import Part, Plan, direct, join_axis, part_steps, part_variant
 from ..calls.problem import sinks_array
 from ..core.arrays import (
-    LaterBool,
     _byte_range,
     _cache_array,
     _check_tensor_devices,
@@ -544,3 +544,52 @@ def _swap01(a):
 def _fingerprint(t) -> tuple:
     """What a bound torch cache depends on: its memory and layout."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+class LaterBool:
+    """predicate(x) for the 0-d array x that `compute` yields, asked for
+    early and read late: start() queues compute, value() reads it. A torch
+    GPU x travels to pinned host memory behind an event on torch's current
+    stream, so reading it waits for the work queued up to it and for
+    nothing queued later."""
+
+    # Per thread and device, the (pinned float, event) pairs of values read:
+    # reused, so a check allocates nothing.
+    _spare = threading.local()
+
+    def __init__(self, compute, predicate=bool):
+        self._compute, self._predicate = compute, predicate
+        self._host = self._pair = None
+        self._started = False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        x = self._compute()
+        if not (_is_torch(x) and x.is_cuda):
+            self._host = self._predicate(float(x))
+            return
+        import torch
+
+        pools = getattr(self._spare, "pools", None)
+        if pools is None:
+            pools = self._spare.pools = {}
+        self._spare_list = pools.setdefault(x.device, [])  # an event records on its device's streams only
+        if self._spare_list:
+            self._pair = self._spare_list.pop()
+        else:
+            with torch.cuda.device(x.device):
+                self._pair = (torch.empty((), dtype=torch.float32, pin_memory=True), torch.cuda.Event())
+        host, event = self._pair
+        host.copy_(x, non_blocking=True)
+        event.record(torch.cuda.current_stream(x.device))
+
+    def value(self) -> bool:
+        self.start()
+        if self._pair is not None:
+            host, event = self._pair
+            event.synchronize()
+            self._host, self._pair = self._predicate(float(host)), None
+            self._spare_list.append((host, event))
+        return self._host
