@@ -1,5 +1,24 @@
 """turbine-fmha: paged-KV flash-attention forward as IREE artifacts.
 
+The public names (help() on each lists its arguments with their shapes,
+dtypes, defaults and meanings; docs/user-guide.md has the rest):
+
+- fmha_fwd_paged: attention over paged K/V caches (one call).
+- fmha_fwd_kvcache: the same over non-paged caches (a row per sequence).
+- fmha_fwd_paged_async: fmha_fwd_paged on a session's worker threads.
+- flash_attn_with_kvcache: flash-attn's function, its names and semantics.
+- PagedAttention: plan a batch step once, run it per layer.
+- PagedKVCache, CacheFullError: a page pool with per-sequence page lists.
+- reshape_and_cache: vLLM's KV write into caches you own, in place.
+- aligned_zeros: arrays a CPU session reads and writes in place.
+- Session: the loaded kernels of one device; ArtifactError, Variant.
+- export_options: the kernels attention puts into exported programs.
+- fmha_fwd_paged_ref: the float64 reference the kernels are tested against.
+
+Every attention option is declared once, in turbine_fmha/calls/options.py,
+and the functions' signatures, torch op schemas and docstrings derive
+from it.
+
 The runtime (`fmha_fwd_paged`, `Session`) needs numpy and iree-base-runtime
 only; building artifacts (`turbine_fmha.build`, `turbine_fmha.kernels`) also
 needs iree-base-compiler and iree-turbine. The package is layered, each

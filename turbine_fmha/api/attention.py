@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..calls.options import bind, declared, names
 from ..calls.planner import make_plan
 from ..calls.problem import layout_of_params, problem, scores, tables
 from ..core.arrays import _check_tensor_devices, _to_numpy
@@ -19,7 +20,7 @@ from ..core.checks import check_int
 from ..core.tracing import untraced_methods
 from ..runtime.executor import Executor
 from ..runtime.session import Session, resolve_session
-from .conventions import conventions
+from .conventions import with_conventions
 
 
 @untraced_methods
@@ -32,26 +33,20 @@ class PagedAttention:
         for layer in layers:
             out = attn.run(q[layer], k_cache[layer], v_cache[layer])
 
-    plan() takes the tables and every argument of fmha_fwd_paged that is
-    not an array of the layer (see there for their meaning), plus the
-    layout the caches have: num_pages, page_block_size, nhead_q, nhead_k,
-    hdim (hdim_v), dtype (q's: numpy/torch dtype or "f16"/"bf16"/"f32"),
-    kv_dtype (an fp8 cache format), kv_layout and v_layout; in batch mode
-    seqlen_q (q rows per sequence, default 1), in group mode seqstart_q. Invalid tables
-    raise there, naming the argument, before anything runs.
+    plan() takes the tables, the layout the caches have, and every option
+    of fmha_fwd_paged that is not an array of one layer; it validates them
+    (invalid tables raise there, naming the argument, before anything
+    runs), chooses the kernels, cuts the work into kernel calls and puts
+    the tables on the device. run() takes one layer's q and caches, checks
+    them against the plan and runs it, returning what fmha_fwd_paged
+    returns. help(PagedAttention.plan) and help(PagedAttention.run) list
+    their arguments.
 
-    run(q, k_cache, v_cache, out=None, return_lse=False, sinks=None) takes
-    the layer's arrays, which must match the plan (q [batch, seqlen_q,
-    nhead_q, hdim] or [total_q, nhead_q, hdim]; caches of the planned
-    layout), on the session's device or the host, and returns like
-    fmha_fwd_paged. Attention sinks are weights of each layer (gpt-oss):
-    a plan made with sinks runs with the plan's, or with a run's own
-    `sinks` (float [nhead_q], finite; a host array costs no device wait
-    to check), so that every layer of a step shares one plan. With
-    kv_rows_finite=None, each run checks its V cache's stale rows (a look at
-    one or two pages per sequence; on torch GPU caches behind the unguarded
-    kernels, which run again guarded if a row was not finite); True skips
-    the check.
+    Args:
+      session: the turbine_fmha.Session that runs the plans; default the
+        default session of `device`.
+      device: "cpu", "cuda", "cuda:N", "hip", "hip:N" or a torch.device,
+        keyword-only; default the session's, or "cpu" without a session.
     """
 
     def __init__(self, session: Session | None = None, *, device: str | None = None):
@@ -59,42 +54,30 @@ class PagedAttention:
         self.session = resolve_session(session, device)
         self._plan: Executor | None = None
 
-    def plan(
-        self,
-        block_table,
-        seqlen_k,
-        *,
-        num_pages,
-        page_block_size,
-        nhead_q,
-        nhead_k,
-        hdim,
-        hdim_v=None,
-        dtype="f16",
-        kv_dtype=None,
-        v_layout="row",
-        kv_layout="NHD",
-        seqlen_q=1,
-        seqstart_q=None,
-        kv_offset=None,
-        min_seqlen_q=0,
-        num_splits=None,
-        kv_rows_finite=None,
-        causal=False,
-        softmax_scale=None,
-        window_size=None,
-        **score_terms,
-    ) -> PagedAttention:
-        score_terms.update(
-            conventions(  # flash-attn's spellings (flash_attn.py)
-                scale=score_terms.pop("scale", None),
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window_size,
-                mask_type=score_terms.pop("mask_type", "none"),
-                window_size_left=score_terms.pop("window_size_left", -1),
-                window_size_right=score_terms.pop("window_size_right", -1),
-            )
+    @declared("plan")
+    def plan(self, block_table, seqlen_k, **given) -> PagedAttention:
+        """Plans a batch step: its tables, the caches' layout, the options.
+
+        Validates everything a run does not bring (invalid tables raise
+        here, naming the argument, before anything runs), chooses the
+        kernels, cuts the work into kernel calls (chunks, tiles, split-KV)
+        and puts the tables on the device once, for every layer's run().
+        The options are fmha_fwd_paged's, but the arrays of one layer (q,
+        the caches, out: run's) and device and session (the object's).
+
+        Args: declared in turbine_fmha/calls/options.py.
+
+        Returns:
+          This PagedAttention, planned (attn.plan(...).run(...) chains).
+        """
+        # Every option by name (those not given at their defaults), and
+        # flash-attn's spellings mapped onto the runtime's; what is left
+        # after the layout, the modes and the planning is the score terms.
+        score_terms = with_conventions(bind("plan", given, "PagedAttention.plan()"))
+        layout = {n: score_terms.pop(n) for n in names("plan", group="layout")}
+        seqlen_q, seqstart_q, kv_offset, min_seqlen_q, num_splits, kv_rows_finite = (
+            score_terms.pop(n)
+            for n in ("seqlen_q", "seqstart_q", "kv_offset", "min_seqlen_q", "num_splits", "kv_rows_finite")
         )
         _check_tensor_devices(
             self.session.device_name,
@@ -102,20 +85,9 @@ class PagedAttention:
             seqlen_k=seqlen_k,
             seqstart_q=seqstart_q,
             kv_offset=kv_offset,
-            **{k: v for k, v in score_terms.items() if k in ("alibi_slopes", "bias", "sinks")},
+            **{n: score_terms[n] for n in names("plan", group="score terms", kind="array")},
         )
-        layout = layout_of_params(
-            num_pages=num_pages,
-            page_block_size=page_block_size,
-            nhead_q=nhead_q,
-            nhead_k=nhead_k,
-            hdim=hdim,
-            hdim_v=hdim_v,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            v_layout=v_layout,
-            kv_layout=kv_layout,
-        )
+        layout = layout_of_params(**layout)
         if seqstart_q is None:
             rows = np.shape(_to_numpy(block_table, "block_table"))
             q_shape = (rows[0] if rows else 0, check_int(seqlen_q, "seqlen_q", minimum=0))
@@ -128,7 +100,32 @@ class PagedAttention:
         self._plan = Executor(make_plan(p, self.session), self.session)
         return self
 
+    @declared("run")
     def run(self, q, k_cache, v_cache, *, out=None, return_lse: bool = False, sinks=None):
+        """Runs the plan on one layer's arrays.
+
+        q and the caches must match the plan (its batch, rows, heads, head
+        dims, dtypes and page layout; refused by name otherwise), on the
+        session's device or in host memory. Host caches that are
+        C-contiguous and aligned are read in place, their import kept by
+        the plan for the next step. With kv_rows_finite=None at plan(),
+        each run checks its V cache's stale rows (a look at one or two
+        pages per sequence; on torch GPU caches behind the unguarded
+        kernels, which run again guarded if a row was not finite).
+
+        Args: declared in turbine_fmha/calls/options.py.
+
+        Returns:
+          out, or (out, lse) with return_lse, as fmha_fwd_paged: out [batch,
+            seqlen_q, nhead_q, hdim_v] (group mode [total_q, nhead_q,
+            hdim_v]) in q's dtype, lse float32 [batch, nhead_q, seqlen_q]
+            (group mode [nhead_q, total_q]); numpy arrays, or torch tensors
+            on q's device when q is a torch tensor.
+
+        Raises:
+          RuntimeError: run() before plan().
+          ValueError or TypeError naming the argument, before anything runs.
+        """
         if self._plan is None:
             raise RuntimeError("PagedAttention.run() before plan()")
         return self._plan.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)

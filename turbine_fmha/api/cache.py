@@ -36,6 +36,7 @@ import threading
 
 import numpy as np
 
+from ..calls.options import REQUIRED, Option, documented
 from ..core.arrays import (
     _check_tensor_devices,
     _DeviceCache,
@@ -91,13 +92,41 @@ class _Slots:
 class PagedKVCache:
     """Page pool of `num_pages` pages of `page_block_size` rows.
 
-    k: [num_pages, page_block_size, nhead_k, hdim], v likewise with hdim_v;
-    with kv_layout="HND" (FlashInfer's head-major pages, which the kernels
-    for run-time head counts read fastest on GPUs) [num_pages, nhead_k,
-    page_block_size, hdim]. dtype a numpy dtype (or "f16", "bf16", "f32").
-    Sequence ids are ints handed out by `allocate` and `fork`.
-    host_mirror=False (with a session) keeps no host copy of the device
-    pool: `k`/`v` are then None.
+        cache = PagedKVCache(1024, 16, nhead_k=8, hdim=128, session=session)
+        seq = cache.allocate()
+        cache.append(seq, k_prompt, v_prompt)  # [n, nhead_k, hdim] each
+        out = cache.attend(q, [seq], causal=True)
+
+    Sequence ids are ints handed out by `allocate` and `fork`. The pool is
+    zero-initialized; every method holds one lock (thread-safe).
+
+    Args:
+      num_pages: int >= 1. Pages in the pool.
+      page_block_size: int >= 1. Rows (tokens) per page.
+      nhead_k: int >= 1. KV heads.
+      hdim: int >= 1. K's head dim (and V's unless hdim_v).
+      dtype: 'f16', 'bf16', 'f32' or a numpy dtype (an ml_dtypes fp8 type
+        for an fp8 pool), default 'f16'. Appended rows must have it:
+        values are never converted.
+      hdim_v: int, keyword-only, default None (hdim). V's head dim.
+      session: a turbine_fmha.Session, keyword-only, default None (a pool
+        in host memory). The pool then lives on the session's device
+        (`k_dev`, `v_dev`, IREE DeviceArrays), appends write only the new
+        rows there through the in-place append kernel (which must exist
+        for the pool's shape, or be compiled on demand: raises here
+        otherwise), and `attend` reads it without copying.
+      host_mirror: bool, keyword-only, default True. With a session, keep
+        a write-through host copy (`k`, `v`) that copy-on-write reads;
+        False keeps no host memory for the pool (`k`, `v` are None, `fork`
+        is refused, `gather` reads the device pool back).
+      kv_layout: 'NHD' or 'HND', keyword-only, default 'NHD'. The pages:
+        k [num_pages, page_block_size, nhead_k, hdim] (v likewise with
+        hdim_v), or head-major [num_pages, nhead_k, page_block_size, hdim]
+        (FlashInfer's, which the kernels for run-time head counts read
+        fastest on GPUs); `attend` passes it on.
+
+    Raises:
+      ValueError or TypeError naming the argument.
     """
 
     def __init__(
@@ -182,10 +211,15 @@ class PagedKVCache:
 
     @property
     def num_free_pages(self) -> int:
+        """Pages no sequence holds."""
         return len(self._free)
 
     def allocate(self) -> int:
-        """A new, empty sequence (no pages until its first append)."""
+        """A new, empty sequence (no pages until its first append).
+
+        Returns:
+          The sequence's id (an int).
+        """
         with self._lock:
             sid = self._next_id
             self._next_id += 1
@@ -194,8 +228,21 @@ class PagedKVCache:
             return sid
 
     def fork(self, seq: int) -> int:
-        """A new sequence with `seq`'s tokens, sharing its pages. Needs the
-        host mirror (copy-on-write reads a shared page's rows from it)."""
+        """A new sequence with `seq`'s tokens, sharing its pages.
+
+        The pages are reference counted; a shared last page is copied only
+        when one of the sequences writes into it. Needs the host mirror
+        (copy-on-write reads a shared page's rows from it).
+
+        Args:
+          seq: a sequence id of this cache.
+
+        Returns:
+          The new sequence's id.
+
+        Raises:
+          KeyError: no such sequence. ValueError: no host mirror.
+        """
         if self.k is None:
             raise ValueError(
                 "fork needs the host mirror, which copy-on-write reads shared rows from: "
@@ -211,7 +258,11 @@ class PagedKVCache:
             return sid
 
     def free(self, seq: int) -> None:
-        """Drops the sequence; pages no other sequence holds become free."""
+        """Drops a sequence: the pages no other sequence holds become free.
+
+        Args:
+          seq: a sequence id of this cache (KeyError otherwise).
+        """
         with self._lock:
             pages = self._get(seq)
             del self._pages[seq], self._lens[seq]
@@ -221,22 +272,44 @@ class PagedKVCache:
                     self._free.append(p)
 
     def seqlen(self, seq: int) -> int:
+        """The tokens a sequence holds.
+
+        Args:
+          seq: a sequence id of this cache (KeyError otherwise).
+        """
         with self._lock:
             self._get(seq)
             return self._lens[seq]
 
     def pages(self, seq: int) -> list[int]:
+        """A sequence's page ids, in token order.
+
+        Args:
+          seq: a sequence id of this cache (KeyError otherwise).
+        """
         with self._lock:
             return list(self._get(seq))
 
     def append(self, seq: int, k_new, v_new) -> None:
-        """Writes tokens' K [n, nhead_k, hdim] and V [n, nhead_k, hdim_v],
-        of the pool's dtype (numpy, or torch in host memory or on the
-        session's GPU), at the end of `seq`. Raises CacheFullError when the
-        free pages do not suffice (a shared last page counts one extra: it
-        is copied before it is written). Any error leaves the cache exactly
-        as it was: the arguments are checked before anything changes, and
-        the bookkeeping is committed only after the device write."""
+        """Writes n tokens' K and V at the end of sequence `seq`.
+
+        Pages are taken from the free list as needed. Any error leaves the
+        cache exactly as it was: the arguments are checked before anything
+        changes, and the bookkeeping is committed only after the device
+        write.
+
+        Args:
+          seq: a sequence id of this cache.
+          k_new: [n, nhead_k, hdim], of the pool's dtype: numpy, or torch
+            in host memory or on the session's GPU.
+          v_new: [n, nhead_k, hdim_v], likewise.
+
+        Raises:
+          CacheFullError: the free pages do not suffice (a shared last page
+            counts one extra: it is copied before it is written).
+          KeyError: no such sequence. ValueError or TypeError naming the
+            argument.
+        """
         self._rows_arg(k_new, "k_new", self._dims[0])
         self._rows_arg(v_new, "v_new", self._dims[1])
         if v_new.shape[0] != k_new.shape[0]:
@@ -284,15 +357,25 @@ class PagedKVCache:
             self._record(rows_p, pos % page, bad)
 
     def append_batch(self, seqs, k_new, v_new) -> None:
-        """Writes n tokens at the end of each of the distinct sequences
-        `seqs` in one write: K [len(seqs), n, nhead_k, hdim] and V
-        [len(seqs), n, nhead_k, hdim_v] (row i goes to seqs[i]), of the
-        pool's dtype, as `append` takes them. The result is that of
-        append(seqs[i], k_new[i], v_new[i]) for each i in order (the same
-        pages, taken in that order; shared last pages copied on write), but
-        all or nothing: CacheFullError when the free pages do not suffice
-        for the whole batch, and any error leaves the cache exactly as it
-        was. A device pool takes one append-kernel call for the batch."""
+        """Writes n tokens at the end of each of sequences `seqs`, in one
+        write (one append-kernel call for a device pool).
+
+        The result is that of append(seqs[i], k_new[i], v_new[i]) for each
+        i in order (the same pages, taken in that order; shared last pages
+        copied on write), but all or nothing: any error leaves the cache
+        exactly as it was.
+
+        Args:
+          seqs: distinct sequence ids of this cache.
+          k_new: [len(seqs), n, nhead_k, hdim], of the pool's dtype, as
+            `append` takes it; row i goes to seqs[i].
+          v_new: [len(seqs), n, nhead_k, hdim_v], likewise.
+
+        Raises:
+          CacheFullError: the free pages do not suffice for the whole batch.
+          KeyError: no such sequence. ValueError or TypeError naming the
+            argument.
+        """
         seqs = list(seqs)
         self._rows_arg(k_new, "k_new", self._dims[0], len(seqs))
         self._rows_arg(v_new, "v_new", self._dims[1], len(seqs))
@@ -509,8 +592,16 @@ class PagedKVCache:
     # -- batches -------------------------------------------------------------
 
     def batch(self, seqs) -> tuple[np.ndarray, np.ndarray]:
-        """(block_table [len(seqs), max pages] int32, seqlen_k [len(seqs)]
-        int32) for fmha_fwd_paged; unused slots hold -1."""
+        """The tables of some of this cache's sequences, for fmha_fwd_paged
+        or PagedAttention.plan.
+
+        Args:
+          seqs: a sequence of ids of this cache (KeyError otherwise).
+
+        Returns:
+          (block_table [len(seqs), max pages] int32, unused slots -1;
+          seqlen_k [len(seqs)] int32).
+        """
         with self._lock:
             rows = [self._get(s) for s in seqs]
             lens = [self._lens[s] for s in seqs]
@@ -519,10 +610,36 @@ class PagedKVCache:
             bt[i, : len(r)] = r
         return bt, np.array(lens, np.int32)
 
+    @documented(
+        "eager",
+        omit=("k_cache", "v_cache", "block_table", "seqlen_k", "kv_layout"),
+        extra=(
+            Option(
+                "seqs",
+                "list",
+                REQUIRED,
+                "arrays",
+                frozenset(),
+                "a sequence of ids of this cache",
+                "The sequences q's rows belong to: q's batch (or group mode's sequences) is len(seqs).",
+                positional=True,
+            ),
+        ),
+    )
     def attend(self, q, seqs, **kwargs):
-        """fmha_fwd_paged over sequences `seqs` of this cache (q as there:
-        [len(seqs), seqlen_q, nhead_q, hdim], or group mode with
-        seqstart_q), on the device pool when there is one."""
+        """fmha_fwd_paged over sequences `seqs` of this cache, on the device
+        pool when there is one (read in place), else the host pool.
+
+        The cache gives k_cache, v_cache, block_table, seqlen_k and
+        kv_layout; session and device default to the cache's session, and
+        kv_rows_finite to `values_finite`. Every other option is
+        fmha_fwd_paged's.
+
+        Args: declared in turbine_fmha/calls/options.py.
+
+        Returns:
+          What fmha_fwd_paged returns: out, or (out, lse) with return_lse.
+        """
         bt, sk = self.batch(seqs)
         if self.session is not None:
             kwargs.setdefault("session", self.session)
@@ -540,9 +657,16 @@ class PagedKVCache:
         return a.view(np.int8) if self._bits else a
 
     def gather(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
-        """The sequence's K and V as contiguous [seqlen, nhead_k, hdim]
-        copies (for checking and debugging; without a host mirror, the
-        whole device pool is read back)."""
+        """A sequence's K and V, for checking and debugging (without a host
+        mirror, the whole device pool is read back).
+
+        Args:
+          seq: a sequence id of this cache (KeyError otherwise).
+
+        Returns:
+          (K [seqlen, nhead_k, hdim], V [seqlen, nhead_k, hdim_v]):
+          contiguous numpy copies of the pool's dtype.
+        """
         with self._lock:
             pages = np.asarray(self._get(seq), np.int64)
             n = self._lens[seq]
@@ -663,7 +787,17 @@ def _dtype(d) -> np.dtype:
 
 
 def aligned_zeros(shape, dtype, alignment: int = 64) -> np.ndarray:
-    """np.zeros on an `alignment`-byte boundary (see arrays.aligned_empty)."""
+    """np.zeros on an `alignment`-byte boundary: caches a CPU session reads
+    and writes in place (reshape_and_cache needs 64 bytes).
+
+    Args:
+      shape: the array's shape (an int or a tuple of ints).
+      dtype: a numpy dtype (or anything np.dtype takes).
+      alignment: int, default 64. The byte boundary its data starts on.
+
+    Returns:
+      A C-contiguous numpy array of zeros.
+    """
     a = aligned_empty(shape, dtype, alignment)
     a[...] = 0
     return a

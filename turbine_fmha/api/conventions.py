@@ -4,7 +4,8 @@ PagedAttention.plan.
 
 - `conventions`: `causal=True`, `softmax_scale` and `window_size=(left,
   right)` as mask_type / scale / window_size_left and window_size_right
-  (the functions take both spellings).
+  (the functions take both spellings); `with_conventions` applies it to a
+  dict of a call's options, as every front end does.
 - `kvcache_seqlens`: fmha_fwd_kvcache's key counts given as `seqlen_k` or
   `cache_seqlens`, an int or an array.
 
@@ -14,6 +15,7 @@ torch.compile, before a call reaches its op (torch_ops).
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import sys
 
@@ -70,6 +72,23 @@ def conventions(
     return dict(
         scale=scale, mask_type=mask_type, window_size_left=window_size_left, window_size_right=window_size_right
     )
+
+
+# The options conventions() reads, each at its default (the declaration's,
+# calls/options.py; tests/test_options.py checks conventions() agrees).
+SPELLINGS = {n: p.default for n, p in inspect.signature(conventions).parameters.items()}
+
+
+def with_conventions(options: dict) -> dict:
+    """A copy of a call's `options` (name -> value) with flash-attn's
+    spellings (causal, softmax_scale, window_size) mapped onto the
+    runtime's: scale, mask_type, window_size_left and window_size_right
+    from `conventions`, the spellings dropped; any of them not in `options`
+    at its default. The other options are kept as they are."""
+    kw = dict(options)
+    spelled = {n: kw.pop(n, d) for n, d in SPELLINGS.items()}
+    kw.update(conventions(**spelled))
+    return kw
 
 
 def _pair(window_size) -> tuple[int, int]:

@@ -10,6 +10,7 @@ argument.
 
 from __future__ import annotations
 
+from ..calls import options
 from ..calls.modes import paged_view
 from ..calls.planner import make_plan
 from ..calls.problem import from_arrays
@@ -19,9 +20,10 @@ from ..runtime.executor import Executor
 from ..runtime.plan_cache import call_key
 from ..runtime.session import Session, default_session, resolve_session
 from .attention import PagedAttention
-from .conventions import conventions, kvcache_seqlens
+from .conventions import kvcache_seqlens, with_conventions
 
 
+@options.declared("eager")
 def fmha_fwd_paged(
     q,
     k_cache,
@@ -60,101 +62,78 @@ def fmha_fwd_paged(
 ):
     """Paged-KV flash-attention forward (ck_tile's FmhaFwdPagedKVKernel).
 
-    Args, by group (docs/user-guide.md, "Calling the attention", says what
-    each one takes and means):
-      arrays: q ([batch, seqlen_q, nhead_q, hdim], or [total_q, nhead_q,
-        hdim] with seqstart_q), k_cache and v_cache (pages laid out as
-        kv_layout "NHD" or "HND"; v_layout "col" for column-major V),
-        block_table [batch, max_pages] and seqlen_k [batch]: numpy arrays,
-        torch tensors, or DeviceArrays of the session's device.
-      tables: seqstart_q (group mode), kv_offset (gappy KV), min_seqlen_q.
-      mask: mask_type, window_size_left, window_size_right, sink_size; or
-        flash-attn's causal and window_size.
-      scores: scale (or softmax_scale), alibi_slopes, bias,
-        logits_soft_cap, sinks.
-      fp8 scales: q_scale, k_scale, v_scale, p_scale, out_scale.
-      run: num_splits (split-KV), kv_rows_finite (whether the stale-row
-        guard may be skipped), out, return_lse, session / device.
+    softmax(scale * q k^T + score terms, masked) v over each sequence's
+    keys, read from the pages its block_table row lists: a numpy array in,
+    a numpy array out; torch tensors on the session's GPU in, torch
+    tensors on it out. docs/user-guide.md, "Calling the attention", has
+    examples and what each option costs.
 
-    Returns out ([..., nhead_q, hdim_v] in q's dtype), or (out, lse) with
-    return_lse: numpy arrays, or torch tensors on q's device.
+    Args: declared in turbine_fmha/calls/options.py.
 
-    Raises ValueError or TypeError naming the argument, before any kernel
-    is loaded or run.
+    Returns:
+      out: [batch, seqlen_q, nhead_q, hdim_v] (group mode: [total_q,
+        nhead_q, hdim_v]) in q's dtype; or, with return_lse, (out, lse):
+        lse float32 [batch, nhead_q, seqlen_q] (group mode: [nhead_q,
+        total_q]). numpy arrays, or torch tensors on q's device when q is
+        a torch tensor.
+
+    Raises:
+      ValueError or TypeError naming the argument, before any kernel is
+        loaded or run (a refused call changes nothing).
+      ArtifactError: no artifact serves the call (the message gives the
+        command that builds it).
     """
-    terms = conventions(
-        scale=scale,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        mask_type=mask_type,
-        window_size_left=window_size_left,
-        window_size_right=window_size_right,
-    )
-    given = dict(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_table=block_table,
-        seqlen_k=seqlen_k,
-        seqstart_q=seqstart_q,
-        kv_offset=kv_offset,
-        alibi_slopes=alibi_slopes,
-        bias=bias,
-        sinks=sinks,
-    )
-    _check_tensor_devices(session.device_name if isinstance(session, Session) else device or "cpu", **given, out=out)
-    settings = dict(
-        v_layout=v_layout,
-        kv_layout=kv_layout,
-        min_seqlen_q=min_seqlen_q,
-        num_splits=num_splits,
-        kv_rows_finite=kv_rows_finite,
-        sink_size=sink_size,
-        logits_soft_cap=logits_soft_cap,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        p_scale=p_scale,
-        out_scale=out_scale,
-        **terms,
-    )
-    check_no_grad(dict(given, out=out))
+    # Every option by name (nothing else is bound yet), flash-attn's
+    # spellings mapped onto the runtime's.
+    kw = with_conventions(locals())
+    out, return_lse, device, session = (kw.pop(n) for n in ("out", "return_lse", "device", "session"))
+    arrays = {n: kw[n] for n in _ARRAYS}
+    _check_tensor_devices(session.device_name if isinstance(session, Session) else device or "cpu", **arrays, out=out)
+    check_no_grad(dict(arrays, out=out))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     # Rows are written chunk by chunk while later chunks still read the
     # inputs: an out sharing their memory corrupts the result.
-    clash = overlapping(out, given) if out is not None and hasattr(out, "shape") else None
+    clash = overlapping(out, arrays) if out is not None and hasattr(out, "shape") else None
     if clash:
         raise ValueError(f"out overlaps {clash} in memory; pass a separate output buffer")
     attn = PagedAttention(resolve_session(session, device))
-    # A call equal to a recent one (a model's next layer) reuses its plan (plan_cache).
+    # A call equal to a recent one (a model's next layer) reuses its plan
+    # (plan_cache); kw is the Problem's arguments: the others are CALL_ONLY.
     attn._plan = attn.session.plans.get(
-        call_key(dict(given, **settings)),
-        lambda: Executor(make_plan(from_arrays(**given, **settings), attn.session), attn.session, keep_binds=False),
+        call_key(kw),
+        lambda: Executor(make_plan(from_arrays(**kw), attn.session), attn.session, keep_binds=False),
     )
     return attn.run(q, k_cache, v_cache, out=out, return_lse=return_lse, sinks=sinks)
 
 
+# The arrays of a call (but out): checked for their device, grad and overlap with out.
+_ARRAYS = tuple(o.name for o in options.front("eager") if o.kind == "array" and o.name not in options.CALL_ONLY)
+
+
+@options.declared("kvcache")
 def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, cache_batch_idx=None, **kwargs):
     """Attention over a non-paged KV cache (ck_tile's non-paged kvcache mode).
 
-    Args:
-      k_cache: [batch_cache, max_seqlen_k, nhead_k, hdim_q]; v_cache likewise
-        with hdim_v. Sequence b reads cache row cache_batch_idx[b] (default b).
-      seqlen_k: [batch] int32 <= max_seqlen_k, or one int for every sequence
-        (default max_seqlen_k); cache_seqlens is flash-attn's name for it.
-      cache_batch_idx: optional [batch] int32 in [0, batch_cache).
-      Everything else as fmha_fwd_paged (batch or group mode, masks, ALiBi,
-      bias, soft-cap, sinks, LSE, out, session).
+    fmha_fwd_paged over caches of whole rows, one per sequence (or shared
+    through cache_batch_idx): every other option is fmha_fwd_paged's.
 
-    The cache is viewed, without copying, as pages of the largest of 128, 64,
-    32, 16 and 1 rows that divides max_seqlen_k (and that the session has
-    kernels for), and run by the paged kernels.
+    Args: declared in turbine_fmha/calls/options.py.
+
+    Returns:
+      out, or (out, lse) with return_lse, as fmha_fwd_paged: out [batch,
+        seqlen_q, nhead_q, hdim_v] (group mode [total_q, nhead_q, hdim_v])
+        in q's dtype, lse float32 [batch, nhead_q, seqlen_q] (group mode
+        [nhead_q, total_q]).
+
+    Raises:
+      ValueError or TypeError naming the argument before anything runs;
+        ValueError for a v_layout or kv_layout other than the default (they
+        are for paged caches).
     """
     seqlen_k = kvcache_seqlens(q, k_cache, seqlen_k, cache_seqlens, kwargs.get("seqstart_q"))
-    for name, paged in (("v_layout", "row"), ("kv_layout", "NHD")):
-        if kwargs.get(name, paged) != paged:
+    for name in ("v_layout", "kv_layout"):
+        if kwargs.get(name, options.DEFAULTS[name]) != options.DEFAULTS[name]:
             raise ValueError(f"{name}={kwargs[name]!r} is supported for paged caches only (fmha_fwd_paged)")
     if kwargs.get("session") is None:
         kwargs["session"] = default_session(kwargs.get("device") or "cpu")
@@ -165,11 +144,19 @@ def fmha_fwd_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, 
     return fmha_fwd_paged(q, k_pages, v_pages, block_table, sk, **kwargs)
 
 
+@options.documented("eager")
 def fmha_fwd_paged_async(*args, session: Session | None = None, device: str | None = None, **kwargs):
-    """fmha_fwd_paged on the session's worker threads: returns a
-    concurrent.futures.Future of its result. Arguments are validated in the
-    worker, so errors surface from Future.result(). The caller must not
-    modify the arrays it passed until the future is done."""
+    """fmha_fwd_paged on the session's worker threads (4 per session).
+
+    Takes fmha_fwd_paged's arguments. They are validated in the worker, so
+    errors surface from Future.result(). The caller must not modify the
+    arrays it passed until the future is done.
+
+    Args: declared in turbine_fmha/calls/options.py.
+
+    Returns:
+      A concurrent.futures.Future of fmha_fwd_paged's result.
+    """
     if session is None:
         session = default_session(device or "cpu")
     return session.submit(fmha_fwd_paged, *args, session=session, device=device, **kwargs)

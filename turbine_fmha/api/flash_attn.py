@@ -48,19 +48,78 @@ def flash_attn_with_kvcache(
     semantics, run by fmha_fwd_paged (with block_table) or fmha_fwd_kvcache
     (without).
 
-    Args, by group (docs/user-guide.md, "flash-attn conventions"):
-      arrays: q, k_cache, v_cache (non-paged rows, or pages with
-        block_table), cache_seqlens, cache_batch_idx, cache_leftpad.
-      in-call appends: k, v (written into the caches at cache_seqlens
-        first), rotary_cos, rotary_sin, rotary_interleaved.
-      scores: softmax_scale, causal, window_size, softcap, alibi_slopes.
-      run: num_splits (0: the heuristic), return_softmax_lse, session,
-        device.
+    Differences from flash-attn: a query row that sees no key has LSE -inf
+    (flash-attn: +inf; the output is 0 in both); rotary without k and v,
+    and rotary with cache_leftpad, raise NotImplementedError; conflicting
+    arguments raise instead of one silently winning (causal=True with a
+    positive window_size[1], cache_batch_idx with block_table, softcap
+    with alibi_slopes).
 
-    Returns out, or (out, softmax_lse). The user guide lists where it
-    differs from flash-attn (LSE -inf for rows without keys; conflicting
-    arguments raise). A call that fails after its appends writes the
-    overwritten cache rows back.
+    Args:
+      Arrays (numpy arrays, or torch tensors in host memory or on the
+          session's GPU):
+        q: [batch, seqlen_q, nheads, headdim]; float16, bfloat16 or
+            float32.
+        k_cache: [batch_cache, seqlen_cache, nheads_k, headdim] without
+            block_table, or pages [num_blocks, page_block_size, nheads_k,
+            headdim] with it (any page size); q's dtype.
+        v_cache: as k_cache, with headdim_v.
+        cache_seqlens: [batch] int32, or one int for every sequence,
+            default None: the whole cache row, or the block table's
+            capacity. The keys each sequence has (before k and v).
+        cache_batch_idx: [batch] int32, default None (row b for sequence
+            b). The cache row each sequence reads; not with block_table.
+        cache_leftpad: [batch] int32, default None. Sequence b's keys
+            start at cache position cache_leftpad[b] (paged caches too,
+            through gappy KV).
+        block_table: [batch, max_num_blocks_per_seq] int32, default None.
+            Each sequence's pages: the caches are paged.
+        alibi_slopes: [nheads] or [batch, nheads] float32, default None.
+            ALiBi: -slope * |i + seqlen_k - seqlen_q - j| is added to the
+            score of query row i and key j.
+      In-call appends (the caches must be writable in place, as
+          reshape_and_cache requires; a call that fails afterwards writes
+          the overwritten rows back):
+        k: [batch, seqlen_new, nheads_k, headdim], default None. New keys,
+            written at positions cache_seqlens[b] + i (cache_seqlens is
+            required with them); the attention then sees cache_seqlens +
+            seqlen_new keys.
+        v: [batch, seqlen_new, nheads_k, headdim_v], default None. New
+            values, with k.
+        rotary_cos: [seqlen_ro, rotary_dim / 2], default None. With
+            rotary_sin, the new keys are rotated at their positions before
+            the write, and q at cache_seqlens + i when the call is causal
+            or local (else every row at cache_seqlens).
+        rotary_sin: as rotary_cos, default None.
+        rotary_interleaved: bool, default True. True rotates GPT-J's pairs
+            (0, 1), (2, 3), ...; False GPT-NeoX's halves.
+      Scores and mask:
+        softmax_scale: float, default None (1 / sqrt(headdim)). The
+            scaling of q k^T before the softmax.
+        causal: bool, default False. The bottom-right aligned causal mask.
+        window_size: (left, right), default (-1, -1). Local attention: row
+            i sees keys in [i + shift - left, i + shift + right], shift =
+            seqlen_k - seqlen_q; -1 unbounded.
+        softcap: float >= 0, default 0.0. A cap > 0 turns the score s into
+            softcap * tanh(s / softcap); not with alibi_slopes.
+      Planning and outputs:
+        num_splits: int >= 0, default 0 (the heuristic). Split-KV: the
+            keys of each sequence in this many runs.
+        return_softmax_lse: bool, default False. Also return the LSE.
+      Device (keyword-only):
+        session: a turbine_fmha.Session, default None (the default session
+            of device).
+        device: 'cpu', 'cuda', 'cuda:N', 'hip', 'hip:N' or a torch.device,
+            default None (the session's, else 'cpu').
+
+    Returns:
+      out: [batch, seqlen_q, nheads, headdim_v] in q's dtype; or (out,
+        softmax_lse) with return_softmax_lse, softmax_lse float32 [batch,
+        nheads, seqlen_q].
+
+    Raises:
+      ValueError or TypeError naming the argument before anything runs or
+        is written; NotImplementedError for what is listed above.
     """
     undo = None
     if appends(k, v, rotary_cos, rotary_sin):

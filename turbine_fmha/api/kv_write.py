@@ -62,19 +62,70 @@ def reshape_and_cache(
 ):
     """Writes K/V rows into paged caches in place (vLLM's reshape_and_cache).
 
-    Args, by group (docs/user-guide.md, "reshape_and_cache", says what each
-    takes and which caches can be written in place):
-      rows: k, v ([tokens, nhead_k, hdim] or [batch, seqlen_new, ...]) and
-        slot_mapping (page * page_block_size + row, -1 to skip a token).
-      caches: k_cache, v_cache, kv_layout ("NHD" or "HND" pages).
-      rotary embedding: rotary_cos, rotary_sin, rotary_dim,
-        rotary_interleaved, with seqlen_k and seqstart giving each row's
-        position, and q, seqstart_q, has_mask to rotate q too.
-      run: session / device.
+    Token t's K and V rows go to slot slot_mapping[t] = page *
+    page_block_size + row of k_cache and v_cache, through the AOT append
+    kernel; with rotary tables the same kernel call rotates the new K rows
+    first (ck_tile appendkv's RoPE) and rotates q too.
 
-    Returns the rotated q when q is given, else None. Raises ValueError or
-    TypeError naming the argument before anything is written; values are
-    never converted.
+    Args:
+      Rows (numpy arrays or torch tensors, of the caches' dtype: values
+          are never converted):
+        k: [tokens, nhead_k, hdim] (vLLM's form) or [batch, seqlen_new,
+            nhead_k, hdim]. The new keys.
+        v: [tokens, nhead_k, hdim_v] or [batch, seqlen_new, nhead_k,
+            hdim_v]. The new values.
+        slot_mapping: [tokens] or [batch, seqlen_new], any integer dtype.
+            Distinct slots in [0, num_pages * page_block_size), or -1 to
+            skip the token (checked in its own dtype: only a signed -1
+            skips; an unsigned 2**64 - 1 is out of range).
+      Caches (written in place; float16, bfloat16, float32 or fp8, one
+          dtype):
+        k_cache: [num_pages, page_block_size, nhead_k, hdim] (NHD) or
+            [num_pages, nhead_k, page_block_size, hdim] (HND). On a CPU
+            session a writeable, C-contiguous numpy array or CPU torch
+            tensor on a 64-byte boundary (turbine_fmha.aligned_zeros, any
+            torch allocation); on a GPU session a contiguous torch tensor
+            on its GPU; or a DeviceArray of the session's device. Anything
+            else is refused by name before anything is written.
+        v_cache: as k_cache, with hdim_v.
+        kv_layout: 'NHD' or 'HND', default 'NHD'. The caches' page layout
+            (an HND cache is written as nhead_k times as many one-head
+            pages); pass the attention the same.
+      Rotary embedding (not for fp8 caches):
+        rotary_cos: [rotary_seqlen, rotary_dim / 2], float16, bfloat16 or
+            float32 (computed in float32), default None. With rotary_sin,
+            the new K rows are rotated at their positions before the write.
+        rotary_sin: as rotary_cos, default None.
+        rotary_dim: even int <= hdim, default None (twice the tables'
+            width). The leading dims of each head that are rotated.
+        rotary_interleaved: bool, default False. False rotates pairs (i, i
+            + rotary_dim / 2) (GPT-NeoX); True (0, 1), (2, 3), ... (GPT-J).
+        seqlen_k: [batch] int, default None; required with rotary. The
+            keys each sequence has before this write: new token i of
+            sequence b is at position seqlen_k[b] + i.
+        seqstart: [batch + 1] int, default None. Flat rows ([tokens, ...])
+            with rotary: sequence b's tokens are seqstart[b]:seqstart[b+1].
+        q: [batch, seqlen_q, nhead_q, hdim], or flat [total_q, nhead_q,
+            hdim] with seqstart_q, default None. Rotated too and returned
+            as a new array of q's kind.
+        seqstart_q: [batch + 1] int, default None (seqstart). q's
+            sequences when q is flat.
+        has_mask: bool, default False. True: q's row i of sequence b is at
+            seqlen_k[b] + i (a causal or local mask follows); False: all
+            its rows are at seqlen_k[b] (ck_tile's has_mask, flash-attn's
+            rule).
+      Device:
+        session: a turbine_fmha.Session, default None (the default session
+            of device).
+        device: 'cpu', 'cuda', 'cuda:N', 'hip', 'hip:N' or a torch.device,
+            default None (the session's, else 'cpu').
+
+    Returns:
+      q rotated when q is given, else None.
+
+    Raises:
+      ValueError or TypeError naming the argument before anything is
+        written.
     """
     session = resolve_session(session, getattr(session, "device", "cpu") if device is None else device)
     rot = dict(

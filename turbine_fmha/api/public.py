@@ -53,10 +53,33 @@ flash_attn_with_kvcache = _routed(flash_attn.flash_attn_with_kvcache, "call_flas
 
 def export_options(*, formulation: str = "explicit", num_splits: int | None = None):
     """A context manager: the kernels that attention calls put into the
-    programs exported inside it ("explicit", the default, or "online" for
-    static-batch decodes and prefill buckets on GPUs, the decodes in
-    `num_splits` merged key splits if given); docs/user-guide.md, "Inside
-    exported programs". Imports torch and iree-turbine when entered."""
+    programs exported inside it (torch.export, iree.turbine.aot.export).
+
+        with turbine_fmha.export_options(formulation="online"):
+            exported = aot.export(step, args=example)
+
+    Args:
+      formulation: 'explicit' or 'online', keyword-only, default
+        'explicit'. 'explicit' compiles for every target and takes dynamic
+        shapes. 'online' is the GPUs' faster formulation with static
+        tiles: a decode (seqlen_q 1) of a static batch runs the batch tile
+        the runtime would pick, the batch padded to it in the program; a
+        prefill of a static batch and row count runs launches of the
+        one-sequence prefill tile; a dynamic batch or row count raises
+        NotImplementedError.
+      num_splits: int or None, keyword-only, default None. Online decodes
+        only: each sequence's keys in this many splits over its table's
+        columns, merged inside the kernel (one of
+        kernels.variants.MERGE_SPLITS, 2 to 128), for long keys over few
+        sequences; a prefill under it raises NotImplementedError.
+
+    Returns:
+      The context manager; entering it imports torch and iree-turbine.
+
+    Raises:
+      ValueError, when entered: an unknown formulation, or num_splits
+        without formulation='online' or not one of MERGE_SPLITS.
+    """
     from . import exported  # imports torch and iree-turbine
 
     return exported.export_options(formulation=formulation, num_splits=num_splits)

@@ -11,11 +11,12 @@ custom ops, so that a module calling them compiles under
     flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, ...) -> (out, lse)
 
 The scalars are the public functions' keyword arguments that are not
-arrays (the `_SCALARS` tables; the schemas are made from them), plus
-`session`, an int handle (`session_handle`: the Session's id, 0 for the
-default session of `device`): a Session cannot cross an op schema. The
-`_out` forms write `out` in place, and the KV writes the caches
-(mutates_args). The ops are opaque to dynamo: their implementations are
+arrays (the `_SCALARS` tables; the schemas are made from them; the
+attention's from the declaration of its options, calls/options.py),
+`session` among them as an int handle (`session_handle`: the Session's
+id, 0 for the default session of `device`): a Session cannot cross an op
+schema. The `_out` forms write `out` in place, and the KV writes the
+caches (mutates_args). The ops are opaque to dynamo: their implementations are
 the eager functions, and their fake implementations give the results'
 shapes (for the attention from the Layout of the Problem code,
 `result_shapes`). The public functions route through them while
@@ -36,40 +37,48 @@ import itertools
 
 import torch
 
+from ..calls import options
 from ..calls.problem import layout_of_arrays
 from ..core.arrays import _torch_np_dtype
 from ..core.tracing import check_no_grad
 from ..runtime.session import LIVE_SESSIONS, Session
 from . import eager, flash_attn, kv_write
-from .conventions import conventions, kvcache_seqlens
+from .conventions import kvcache_seqlens, with_conventions
 
-_TENSORS = {
-    "paged": ("q", "k_cache", "v_cache", "block_table", "seqlen_k"),
-    "kvcache": ("q", "k_cache", "v_cache", "seqlen_k"),
-}
-_OPTIONAL = {"paged": (), "kvcache": ("cache_batch_idx",)}
-_OPTIONAL_BOTH = ("seqstart_q", "kv_offset", "alibi_slopes", "bias", "sinks")
+# Each attention op kind's public function: its front end in the
+# declaration of the options (calls/options.py), and its name.
+_FRONT = {"paged": "eager", "kvcache": "kvcache"}
+_PUBLIC = {"paged": "fmha_fwd_paged", "kvcache": "fmha_fwd_kvcache"}
+# The schema type of each option type. A Session crosses a schema as its
+# int handle (session_handle; 0: the default session of `device`).
+_SCHEMA_TYPES = {"int": "int", "float": "float", "str": "str", "bool": "bool", "device": "str", "session": "int"}
+
+
+def _declared(kind: str, tensors: bool, positional: bool | None = None) -> tuple:
+    """The declared options the `kind` ops take: their tensors (positional
+    in the public function, or not) or their other arguments. `out` is
+    the _out forms' own."""
+    return tuple(
+        o
+        for o in options.front(_FRONT[kind])
+        if options.OP in o.fronts
+        and (o.kind == "array") == tensors
+        and o.name != "out"
+        and (positional is None or o.positional == positional)
+    )
+
+
+def _scalar(o: options.Option) -> tuple:
+    if o.type == "session":
+        return o.name, _SCHEMA_TYPES[o.type], 0
+    return o.name, _SCHEMA_TYPES[o.type] + ("?" if o.default is None else ""), o.default
+
+
+# The tensors, required and optional, of each kind.
+_TENSORS = {kind: tuple(o.name for o in _declared(kind, True, True)) for kind in _FRONT}
+_OPTIONAL = {kind: tuple(o.name for o in _declared(kind, True, False)) for kind in _FRONT}
 # (name, schema type, default) of every other argument the ops pass on.
-_SCALARS = (
-    ("min_seqlen_q", "int", 0),
-    ("scale", "float?", None),
-    ("mask_type", "str", "none"),
-    ("window_size_left", "int", -1),
-    ("window_size_right", "int", -1),
-    ("sink_size", "int", 0),
-    ("logits_soft_cap", "float", 0.0),
-    ("v_layout", "str", "row"),
-    ("kv_layout", "str", "NHD"),
-    ("q_scale", "float?", None),
-    ("k_scale", "float?", None),
-    ("v_scale", "float?", None),
-    ("p_scale", "float?", None),
-    ("out_scale", "float?", None),
-    ("num_splits", "int?", None),
-    ("kv_rows_finite", "bool?", None),
-    ("device", "str?", None),
-    ("session", "int", 0),
-)
+_SCALARS = {kind: tuple(_scalar(o) for o in _declared(kind, False)) for kind in _FRONT}
 # Window sides and sink counts past every key all mean "every key" (mask.py
 # clamps them); an op's int is 64-bit, so larger ones are clamped here.
 _INT_MAX = 1 << 62
@@ -98,22 +107,22 @@ def _named(names: tuple, scalars: tuple, args: tuple, kwargs: dict) -> dict:
 
 def _positional(kind: str, out_form: bool) -> tuple:
     """The attention ops' tensor arguments in schema order."""
-    return _TENSORS[kind] + (("out",) if out_form else ()) + _OPTIONAL[kind] + _OPTIONAL_BOTH
+    return _TENSORS[kind] + (("out",) if out_form else ()) + _OPTIONAL[kind]
 
 
 def _schema(kind: str, out_form: bool) -> str:
     out = ("out",) if out_form else ()
     return _op_schema(
         _TENSORS[kind] + out,
-        _OPTIONAL[kind] + _OPTIONAL_BOTH,
-        _SCALARS,
+        _OPTIONAL[kind],
+        _SCALARS[kind],
         "Tensor" if out_form else "(Tensor, Tensor)",
         mutated=out,
     )
 
 
 def _arguments(kind: str, out_form: bool, args: tuple, kwargs: dict) -> dict:
-    return _named(_positional(kind, out_form), _SCALARS, args, kwargs)
+    return _named(_positional(kind, out_form), _SCALARS[kind], args, kwargs)
 
 
 def _impl(kind: str, out_form: bool):
@@ -384,55 +393,24 @@ def call_kvcache(q, k_cache, v_cache, seqlen_k=None, *, cache_seqlens=None, **kw
     return call_op("kvcache", q=q, k_cache=k_cache, v_cache=v_cache, seqlen_k=seqlen_k, **kw)
 
 
-def call_op(
-    kind: str,
-    *,
-    q,
-    k_cache,
-    v_cache,
-    seqlen_k,
-    block_table=None,
-    cache_batch_idx=None,
-    out=None,
-    return_lse=False,
-    session=None,
-    device=None,
-    scale=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=None,
-    mask_type="none",
-    window_size_left=-1,
-    window_size_right=-1,
-    **rest,
-):
+def call_op(kind: str, **given):
     """fmha_fwd_paged (kind "paged") or fmha_fwd_kvcache ("kvcache")
     through the op: the public functions' route while torch.compile traces
-    them, with their arguments."""
-    kw = dict(
-        rest,
-        **conventions(
-            scale=scale,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            mask_type=mask_type,
-            window_size_left=window_size_left,
-            window_size_right=window_size_right,
-        ),
-    )
+    them, with their arguments by name (checked against the declaration,
+    as the eager call's signature checks them)."""
+    where = _PUBLIC[kind] + "()"
+    options.check(_FRONT[kind], given, where)
+    for name in _TENSORS[kind]:
+        if name not in given:
+            raise TypeError(f"{where} missing required argument {name!r}")
+    kw = with_conventions(given)
+    out = kw.pop("out", None)
+    return_lse = kw.pop("return_lse", False)
+    session = kw.pop("session", None)
+    device = kw.pop("device", None)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    given = dict(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        seqlen_k=seqlen_k,
-        block_table=block_table,
-        cache_batch_idx=cache_batch_idx,
-        **{n: kw.pop(n, None) for n in _OPTIONAL_BOTH},
-    )
-    tensors = {n: given[n] for n in _positional(kind, False)}
+    tensors = {n: kw.pop(n, None) for n in _positional(kind, False)}
     _torch_tensors_only(dict(tensors, out=out))
     check_no_grad(dict(tensors, out=out))
     for name in ("window_size_left", "window_size_right", "sink_size"):

@@ -53,7 +53,9 @@ from .selection import VariantSelection, _problem_key
 # Buffers up to 256 MiB are pooled, at most 2 GiB and 256 buffers retained:
 # each call in flight holds its own result and transient buffers, and with
 # 64 a queue of 200 decode calls released most of them with cuMemFree,
-# which waits for the device (3x slower calls on the H200).
+# which waits for the device, so every call behind it waited too
+# (docs/devlog/perf-notes.md, "The host side of a GPU call: queued calls
+# and the call-buffer pool").
 DEFAULT_CUDA_ALLOCATORS = "caching:device_local=256mib;2gib;256"
 
 
@@ -82,12 +84,19 @@ class Session(VariantSelection, DeviceInterop):
         (Session("cuda", target="host")), or a CPU target this CPU cannot
         run, raises ValueError; a directory of only such artifacts
         ArtifactError.
-      compile_missing: when a variant has no artifact, compile it into
-        `cache_dir` (needs iree-base-compiler and iree-turbine) instead of
-        raising. Off by default: services should ship prebuilt artifacts.
-      compute_units: what automatic split-KV fills (fmha_fwd_paged
+      compile_missing: bool, default False. When a variant has no
+        artifact, compile it into `cache_dir` (needs iree-base-compiler
+        and iree-turbine) instead of raising. Off by default: services
+        should ship prebuilt artifacts.
+      cache_dir: where compile_missing puts what it compiles (default: the
+        user cache directory, turbine_fmha.runtime.paths).
+      formulation: "explicit" or "online", default None (the target's
+        own: online on GPUs, explicit on the CPU). "online" on the CPU runs
+        the GPU formulation there, as a check of it, not a fast path.
+      compute_units: int, what automatic split-KV fills (fmha_fwd_paged
         num_splits=None): CPU worker threads, GPU SMs/CUs (default:
-        DEFAULT_COMPUTE_UNITS).
+        DEFAULT_COMPUTE_UNITS: the CPU worker threads, 132 for cuda, 304
+        for hip; set it on other GPUs).
       manifest_sha256: the sha256 hex digest of artifact_dir's manifest.json
         that the session accepts, or a collection of them (any may match,
         e.g. the old and new ones during a rollout); default
@@ -388,8 +397,9 @@ class Session(VariantSelection, DeviceInterop):
         res = [c.results(outputs) for c in calls]
         if on_device:
             return res
-        # Only the results asked for are copied (a copy back from a GPU
-        # costs ~0.2 ms however small).
+        # Only the results asked for are copied: a copy back from a GPU has
+        # a fixed cost however small it is (docs/devlog/benchmarks-history.md,
+        # "H200, device time on both sides", the output-to-host columns).
         return [tuple(host_array(r) for r in one) for one in res]
 
 
@@ -400,7 +410,8 @@ _TOPOLOGY_SET = False
 
 def _set_cpu_topology_once() -> None:
     """One local-task worker per CPU this process may run on: IREE's
-    default topology ran the CPU kernels about 2x slower (docs/devlog/perf-notes.md).
+    default topology ran the CPU kernels far slower (docs/devlog/perf-notes.md,
+    "CPU runtime", "Local-task topology").
     Flags are process-wide and must precede the first local-task device, so
     this runs once; $TURBINE_FMHA_CPU_THREADS overrides the count.
     """
@@ -466,8 +477,10 @@ def _hal_driver(driver: str):
 
     if driver == "cuda" and not env.switch(env.CUDA_ASYNC_ALLOCATIONS):
         # Plain allocations for results: torch can then take them
-        # zero-copy (DLPack refuses stream-ordered ones), which cut
-        # 0.3 ms from a decode call on the H200 (docs/devlog/benchmarks-history.md).
+        # zero-copy (DLPack refuses stream-ordered ones), which saves a
+        # device-to-device copy, its allocations and its wait on every
+        # call (docs/devlog/perf-notes.md, "The host side of a call:
+        # plan/run").
         # The CUDA driver reads the flag when it is created, for every
         # device it opens: so before the first get_driver("cuda"), which
         # a session's construction makes (_driver_devices).
