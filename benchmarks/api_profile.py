@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros
-from turbine_fmha.core.arrays import _is_torch
+from turbine_fmha.core.arrays import is_torch
 from turbine_fmha.runtime.executor import Results
 
 
@@ -116,7 +116,7 @@ def _kernel_alone_ms(attn, q, k, v, calls: int) -> float:
 
     plan, session = attn._plan, attn.session
     variant = plan.variant(0, plan.parts[0].guard_free)
-    steps = plan.device_steps(0, variant, Results(session, q if _is_torch(q) else None))
+    steps = plan.device_steps(0, variant, Results(session, q if is_torch(q) else None))
     loaded = session._load(variant)
 
     def fn(*args):
@@ -125,7 +125,7 @@ def _kernel_alone_ms(attn, q, k, v, calls: int) -> float:
     dev = session.device_of()
 
     def arg(x):
-        return session.import_torch(x) if _is_torch(x) else rt.asdevicearray(dev, x)
+        return session.import_torch(x) if is_torch(x) else rt.asdevicearray(dev, x)
 
     kd, vd = arg(k), arg(v)
     qs = [arg(st.q(q)) for st in steps]

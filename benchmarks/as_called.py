@@ -75,9 +75,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import turbine_fmha  # noqa: E402
-from turbine_fmha.runtime.executor import _from_entries, to_entries  # noqa: E402  (row entries, as run() places them)
 from turbine_fmha.calls.plan import combine_splits, kernel_steps, repeat_rows  # noqa: E402  (device time, as bench.py)
-from turbine_fmha.runtime.executor import Results  # noqa: E402
+from turbine_fmha.runtime.executor import (  # noqa: E402  (row entries, as run() places them)
+    Results,
+    from_entries,
+    to_entries,
+)
 
 D, PAGE = 128, 16
 BOUND = {"f16": 5e-3, "bf16": 2e-2}
@@ -455,7 +458,7 @@ class DeviceLoop:
         if self.split:
             return combine_splits(*dst, plan.splits, None)[0]
         if plan.entries:
-            return _from_entries(dst[0], dst[1], plan.entries, rows)[0]
+            return from_entries(dst[0], dst[1], plan.entries, rows)[0]
         return dst[0]
 
 
@@ -554,9 +557,10 @@ def bench_row(session, case: Case, args) -> dict:
         # its one wait. IREE's CUDA pool retains at most 256 buffers and 2
         # GiB, and never evicts: 128 calls in flight filled it with this
         # row's sizes, and the later rows' run() calls then paid a plain
-        # cuMemAlloc and a device-synchronizing cuMemFree per buffer (the
-        # prefill 4096 at 4.1-4.4 ms of device time instead of 2.6;
-        # docs/devlog/perf-notes.md). 32 calls keep them well inside it.
+        # cuMemAlloc and a device-synchronizing cuMemFree per buffer, which
+        # slowed even their device time (docs/devlog/perf-notes.md,
+        # "Performance as called", item "The entries rule on the device, and
+        # a slowdown that was the pool"). 32 calls keep them well inside it.
         per_name["device"] = max(1, min(calls, 32 // len(loop.steps)))
     res = timed_rounds(fns, syncs, per_name, args.rounds, args.warmup_s)
     ms = {k_: round(m, 4) for k_, (m, _) in res.items()}
@@ -866,7 +870,9 @@ def hf_bench(session, args) -> dict:
 
         def gen_hf_no_cudnn():
             # torch's cuDNN attention builds a plan for every new key length,
-            # ~40 ms a token on the H200 (h200_sdpa_lengths.py): without it,
+            # which costs far more than the step's attention
+            # (docs/devlog/perf-notes.md, "Performance as called", item "HF
+            # in generation, and an exported HF-shaped step"): without it,
             # HF's dynamic cache at its best.
             torch.backends.cuda.enable_cudnn_sdp(False)
             try:

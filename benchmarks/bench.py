@@ -49,7 +49,7 @@ from turbine_fmha.build.artifacts import ArtifactError
 from turbine_fmha.calls import plan as tf_plan
 from turbine_fmha.calls.mask import MaskSpec
 from turbine_fmha.calls.plan import KernelCall, combine_splits, kernel_steps, repeat_rows, split_kv
-from turbine_fmha.core.arrays import _bf16, aligned_empty
+from turbine_fmha.core.arrays import aligned_empty, bf16_dtype
 from turbine_fmha.kernels.variants import KV_LAYOUTS, Variant, bias_shape_of, online_variant
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -75,13 +75,14 @@ def as_layout(cache):
 
 
 def np_dtype(name):
-    return {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "bf16": _bf16()}[name]
+    return {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32), "bf16": bf16_dtype()}[name]
 
 
 def warm_up(fn, sync, calls, seconds):
     # A number of calls and at least `seconds`: on the CPU the first kernel
-    # timed in a process ran 2x slow for several calls (seen: 108 ms vs 46 ms
-    # for the same decode), so a fixed two calls is not enough.
+    # timed in a process ran in a slow mode for several calls
+    # (docs/devlog/perf-notes.md, "CPU runtime", "Bimodal timings"), so a
+    # fixed two calls is not enough.
     t_end = time.perf_counter() + seconds
     n = 0
     while n < calls or time.perf_counter() < t_end:
@@ -329,9 +330,9 @@ def bench_planned(session, shape, inputs, dtype, repeat, kw):
     if session.device == "cuda":
         import torch
 
-        from turbine_fmha.core.arrays import _numpy_to_torch
+        from turbine_fmha.core.arrays import numpy_to_torch
 
-        q, kc, vc = (_numpy_to_torch(a).to("cuda:0") for a in (q, kc, vc))
+        q, kc, vc = (numpy_to_torch(a).to("cuda:0") for a in (q, kc, vc))
         sync = torch.cuda.synchronize
     attn = turbine_fmha.PagedAttention(session).plan(
         bt,
@@ -530,7 +531,7 @@ def bench_torch(shape, inputs, dtype, device, repeat):
     import torch.nn.functional as F
 
     def tt(a):
-        if a.dtype == _bf16():
+        if a.dtype == bf16_dtype():
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
         return torch.from_numpy(a).to(device)
 
@@ -714,10 +715,11 @@ def main() -> int:
         extra["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 2)
         print(f"cpu copy bandwidth (read+write): {extra['copy_bandwidth_gbs']} GB/s", flush=True)
     if args.device == "cpu":
-        # Warm the process up first. The same CPU decode kernel also measures
-        # either ~47 ms or ~110 ms depending on where its inputs landed in
-        # memory (not proven: numpy asks for transparent huge pages and may
-        # not get them; docs/devlog/perf-notes.md), which warm-up does not fix.
+        # Warm the process up first. The same CPU decode kernel also runs in
+        # a fast or a far slower mode depending on where its inputs landed
+        # in memory (not proven: numpy asks for transparent huge pages and
+        # may not get them; docs/devlog/perf-notes.md, "CPU runtime",
+        # "Bimodal timings"), which warm-up does not fix.
         first = SHAPES["cpu"][0]
         t_end = time.perf_counter() + 6.0
         while time.perf_counter() < t_end:

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A continuous-batching step as called: decodes and chunked prefills in
 one varlen (group-mode) call, against the same work as its two parts and
-against torch. Issue 27 target 2: the mixed step at most 1.2x its parts.
+against torch. As-called target 2: the mixed step at most 1.2x its parts
+(docs/devlog/benchmarks-history.md, "The as-called targets: where each
+stood").
 
 The step: --decodes BxN (B sequences, one new row each over N keys) and
 --prefills PxR+C (P sequences of R new rows over C cached keys, bottom-right

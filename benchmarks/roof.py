@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The "IREE roof" for prefill (issue 14): IREE's own attention on plain,
+"""The "IREE roof" for prefill: IREE's own attention on plain,
 static, unpaged tensors of the benchmark's prefill shape, built by the same
 compiler, timed on the device like bench.py.
 
@@ -125,7 +125,7 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     reports = {}
     for tag, source in ROOFS.items():
-        seconds, report, _ = compiler._compile_one(
+        seconds, report, _ = compiler.compile_one(
             source(), NAME, (out / f"{tag}.vmfb").resolve(), targets.TARGETS["cuda"]
         )
         reports[tag] = dict(report, seconds=round(seconds, 2))
@@ -137,7 +137,7 @@ def run(out: Path, repeat: int) -> None:
     import iree.runtime as rt
 
     import turbine_fmha
-    from turbine_fmha.runtime.invoke import _Loaded
+    from turbine_fmha.runtime.invoke import Loaded
 
     session = turbine_fmha.Session("cuda", artifact_dir="/nonexistent-roof")
     cfg, dev = session._iree_config(), session.device_of()
@@ -151,7 +151,7 @@ def run(out: Path, repeat: int) -> None:
         path = out / f"{tag}.vmfb"
         if not path.exists():
             continue
-        loaded = _Loaded(
+        loaded = Loaded(
             type("V", (), {"name": NAME})(), rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes()), cfg, spin=True
         )
         last = [None]

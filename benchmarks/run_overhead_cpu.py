@@ -36,7 +36,7 @@ _marks: list[float] = []
 
 def _instrument() -> None:
     """Marks the first enqueue of a run() and the end of its wait."""
-    enqueue, wait = invoke._Loaded.enqueue, invoke._Call.wait
+    enqueue, wait = invoke.Loaded.enqueue, invoke._Call.wait
 
     def timed_enqueue(self, args, after=None, own_timeline=False):
         if not own_timeline:  # a run()'s first call (Session.run_variants)
@@ -47,7 +47,7 @@ def _instrument() -> None:
         wait(self)
         _marks.append(time.perf_counter())
 
-    invoke._Loaded.enqueue, invoke._Call.wait = timed_enqueue, timed_wait
+    invoke.Loaded.enqueue, invoke._Call.wait = timed_enqueue, timed_wait
 
 
 def measure(session, rng, batch, keys, calls, evict=None) -> dict:

@@ -7,8 +7,9 @@ build time per target; exits 1 on any compile failure or ISA problem.
 
     .venv/bin/python scripts/check_default_sets.py --targets gfx942,gfx90a,gfx950,cuda,host [--artifacts DIR] [--jobs N]
 
-On 2 cores each GPU target takes 6-7 minutes (632 compiles; docs/benchmarks.md,
-"Default sets"): this is what the suite's test_gpu_default_set_compiles samples."""
+On 2 cores each GPU target takes minutes (the kernel counts and build times:
+docs/benchmarks.md, "Default sets: kernel counts and build times"): this is
+what the suite's test_gpu_default_set_compiles samples."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import numpy as np
 from ..calls.options import bind, declared, names
 from ..calls.planner import make_plan
 from ..calls.problem import layout_of_params, problem, scores, tables
-from ..core.arrays import _check_tensor_devices, _to_numpy
+from ..core.arrays import check_tensor_devices, to_numpy
 from ..core.checks import check_int
 from ..core.tracing import untraced_methods
 from ..runtime.executor import Executor
@@ -79,7 +79,7 @@ class PagedAttention:
             score_terms.pop(n)
             for n in ("seqlen_q", "seqstart_q", "kv_offset", "min_seqlen_q", "num_splits", "kv_rows_finite")
         )
-        _check_tensor_devices(
+        check_tensor_devices(
             self.session.device_name,
             block_table=block_table,
             seqlen_k=seqlen_k,
@@ -89,10 +89,10 @@ class PagedAttention:
         )
         layout = layout_of_params(**layout)
         if seqstart_q is None:
-            rows = np.shape(_to_numpy(block_table, "block_table"))
+            rows = np.shape(to_numpy(block_table, "block_table"))
             q_shape = (rows[0] if rows else 0, check_int(seqlen_q, "seqlen_q", minimum=0))
         else:
-            starts = _to_numpy(seqstart_q, "seqstart_q")
+            starts = to_numpy(seqstart_q, "seqstart_q")
             q_shape = (int(starts[-1]) if starts.ndim == 1 and starts.size else 0,)
         t = tables(block_table, seqlen_k, layout, q_shape=q_shape, seqstart_q=seqstart_q, kv_offset=kv_offset)
         s = scores(layout, t, **score_terms)

@@ -38,14 +38,14 @@ import numpy as np
 
 from ..calls.options import REQUIRED, Option, documented
 from ..core.arrays import (
-    _check_tensor_devices,
-    _DeviceCache,
-    _dtype_name,
-    _fp8_name,
-    _is_torch,
-    _to_numpy,
+    DeviceCache,
     aligned_empty,
+    check_tensor_devices,
+    dtype_name,
+    fp8_name,
+    is_torch,
     np_dtype,
+    to_numpy,
     torch_memory,
     torch_writes_done,
 )
@@ -54,7 +54,7 @@ from ..kernels.append_kernel import AppendKernel
 from ..kernels.variants import KV_LAYOUTS
 from ..runtime.interop import run_append
 from .eager import fmha_fwd_paged
-from .kv_write import _Cache, check_rows, kernel_cache, one_head_slots, rows_info
+from .kv_write import WritableCache, check_rows, kernel_cache, one_head_slots, rows_info
 
 # Appends whose finiteness checks wait, at most, before a pool reads them
 # back itself: a pool whose values_finite nobody asks for then costs one
@@ -179,13 +179,13 @@ class PagedKVCache:
         # flags), oldest first (_record).
         self._pending: list[tuple] = []
         self.session = session
-        self._bits = _fp8_name(dt) is not None
+        self._bits = fp8_name(dt) is not None
         self.k_dev = self.v_dev = None
         self._torch_pools = None  # (k, v): the torch tensors the device pool is, if it is
         if session is not None:
             # fp8 pools live on the device as their bytes (int8), like the
             # kernels take them; the append kernel copies bits.
-            name = "i8" if self._bits else _dtype_name(dt)
+            name = "i8" if self._bits else dtype_name(dt)
             if name is None:
                 raise ValueError(f"device-resident caches take float16, bfloat16, float32 or fp8, got {dt}")
             # HND pools are written as one-head pages (kv_write.one_head_slots).
@@ -201,7 +201,7 @@ class PagedKVCache:
                 pools = tuple(torch_memory(a) for a in (self.k_dev, self.v_dev))
                 self._torch_pools = pools if all(t is not None for t in pools) else None
             self._append_pools = tuple(
-                kernel_cache(session, _Cache(a, s, dt), (num_pages * nhead_k, page_block_size, 1, d))
+                kernel_cache(session, WritableCache(a, s, dt), (num_pages * nhead_k, page_block_size, 1, d))
                 if kv_layout == "HND"
                 else a
                 for a, s, d in zip((self.k_dev, self.v_dev), self._shapes, self._dims)
@@ -315,7 +315,7 @@ class PagedKVCache:
         if v_new.shape[0] != k_new.shape[0]:
             raise ValueError(f"v_new has {v_new.shape[0]} rows but k_new has {k_new.shape[0]}")
         if self.k is not None:  # the host pool or mirror is written from host memory
-            k_new, v_new = _to_numpy(k_new, "k_new"), _to_numpy(v_new, "v_new")
+            k_new, v_new = to_numpy(k_new, "k_new"), to_numpy(v_new, "v_new")
         n = k_new.shape[0]
         page = self.page_block_size
         with self._lock:
@@ -384,7 +384,7 @@ class PagedKVCache:
         if len(set(seqs)) != len(seqs):
             raise ValueError("append_batch takes each sequence once: seqs holds one twice")
         if self.k is not None:  # the host pool or mirror is written from host memory
-            k_new, v_new = _to_numpy(k_new, "k_new"), _to_numpy(v_new, "v_new")
+            k_new, v_new = to_numpy(k_new, "k_new"), to_numpy(v_new, "v_new")
         batch, n = len(seqs), k_new.shape[1]
         with self._lock:
             lists = [self._get(s) for s in seqs]
@@ -539,7 +539,7 @@ class PagedKVCache:
 
     def _device_write(self, k_rows, v_rows, pages, rows) -> None:
         pools = self._torch_pools
-        if pools is not None and all(_is_torch(x) and x.device == pools[0].device for x in (k_rows, v_rows)):
+        if pools is not None and all(is_torch(x) and x.device == pools[0].device for x in (k_rows, v_rows)):
             self._torch_write(k_rows, v_rows, pages, rows)
             return
         if self.kv_layout == "HND":
@@ -577,7 +577,7 @@ class PagedKVCache:
 
     def _rows_arg(self, x, name: str, dim: int, batch: int | None = None) -> None:
         """Checks rows [n, nhead_k, dim], or [batch, n, nhead_k, dim]."""
-        _check_tensor_devices(self.session.device_name if self.session is not None else "cpu", **{name: x})
+        check_tensor_devices(self.session.device_name if self.session is not None else "cpu", **{name: x})
         info = rows_info(x, name)
         lead = 3 if batch is None else 4
         if (
@@ -647,7 +647,7 @@ class PagedKVCache:
         if self.k_dev is not None:
             # The device arrays with the pool's own dtype (fp8 pools are
             # int8 there).
-            k, v = _DeviceCache(self.k_dev, self.dtype), _DeviceCache(self.v_dev, self.dtype)
+            k, v = DeviceCache(self.k_dev, self.dtype), DeviceCache(self.v_dev, self.dtype)
         else:
             k, v = self.k, self.v
         kwargs.setdefault("kv_rows_finite", self.values_finite)
@@ -757,7 +757,7 @@ def _nonfinite_flags(v):
     the row is (a max neither overflows nor drops a NaN; _host_flags reads
     it as such): one reduction kernel where isfinite and two alls were four,
     once per layer of a model's step."""
-    if _is_torch(v):
+    if is_torch(v):
         torch = sys.modules["torch"]
         t = v.detach()
         if t.element_size() == 1:  # fp8: torch's norms do not take it
@@ -769,7 +769,8 @@ def _nonfinite_flags(v):
     if bits is None:
         return ~np.isfinite(a.astype(np.float32)).all(-1)
     # Inf and NaN are the values whose exponent bits are all set: read on
-    # the bits, with no float copy of the rows (5-10x faster).
+    # the bits, with no float copy of the rows (docs/devlog/perf-notes.md,
+    # "Performance as called": a decode step's append_batch).
     return ((a.view(bits[0]) & bits[1]) == bits[1]).any(-1)
 
 

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from ..core.arrays import _is_torch
+from ..core.arrays import is_torch
 from ..core.checks import check_int
 
 
@@ -119,7 +119,7 @@ def kvcache_seqlens(q, k_cache, seqlen_k=None, cache_seqlens=None, seqstart_q=No
         return seqlen_k
     n = check_int(seqlen_k, name, minimum=0)
     batch = _batch(q, seqstart_q)
-    if _is_torch(q):
+    if is_torch(q):
         torch = sys.modules["torch"]
         return torch.full((batch,), n, dtype=torch.int64)
     return np.full((batch,), n, np.int64)

@@ -14,7 +14,7 @@ from ..calls import options
 from ..calls.modes import paged_view
 from ..calls.planner import make_plan
 from ..calls.problem import from_arrays
-from ..core.arrays import _check_tensor_devices, overlapping
+from ..core.arrays import check_tensor_devices, overlapping
 from ..core.tracing import check_no_grad
 from ..runtime.executor import Executor
 from ..runtime.plan_cache import call_key
@@ -88,7 +88,7 @@ def fmha_fwd_paged(
     kw = with_conventions(locals())
     out, return_lse, device, session = (kw.pop(n) for n in ("out", "return_lse", "device", "session"))
     arrays = {n: kw[n] for n in _ARRAYS}
-    _check_tensor_devices(session.device_name if isinstance(session, Session) else device or "cpu", **arrays, out=out)
+    check_tensor_devices(session.device_name if isinstance(session, Session) else device or "cpu", **arrays, out=out)
     check_no_grad(dict(arrays, out=out))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")

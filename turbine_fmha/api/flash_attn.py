@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from ..core.arrays import _is_device_array, _is_torch
+from ..core.arrays import is_device_array, is_torch
 from ..core.checks import check_int, int_array
 from ..core.tracing import compiling
 from .conventions import kvcache_seqlens
@@ -337,10 +337,10 @@ def _append_slots(pos: np.ndarray, kc_shape: tuple, block_table, cache_batch_idx
 
 def _rows(cache, slots: np.ndarray):
     """The cache rows at `slots` (a copy), or None for an IREE DeviceArray."""
-    if _is_device_array(cache) or not hasattr(cache, "reshape"):
+    if is_device_array(cache) or not hasattr(cache, "reshape"):
         return None
     flat = cache.reshape(-1, *tuple(cache.shape)[2:])
-    if _is_torch(cache):
+    if is_torch(cache):
         torch = sys.modules["torch"]
         return flat[torch.as_tensor(slots, device=cache.device).long()].clone()
     return flat[slots].copy()

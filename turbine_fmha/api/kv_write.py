@@ -21,16 +21,16 @@ import sys
 import numpy as np
 
 from ..core.arrays import (
-    _check_tensor_devices,
-    _DeviceCache,
-    _dtype_name,
-    _fp8_name,
-    _is_device_array,
-    _is_torch,
-    _numpy_to_torch,
-    _TensorInfo,
-    _to_numpy,
+    DeviceCache,
+    TensorInfo,
+    check_tensor_devices,
+    dtype_name,
+    fp8_name,
+    is_device_array,
+    is_torch,
+    numpy_to_torch,
     overlapping,
+    to_numpy,
 )
 from ..core.checks import check_int, int_array
 from ..kernels.append_kernel import AppendKernel
@@ -143,7 +143,7 @@ def reshape_and_cache(
 
 
 @dataclasses.dataclass
-class _Cache:
+class WritableCache:
     """A cache the kernel can write in place, with its numpy dtype."""
 
     array: object  # numpy over the caller's memory, torch on the session's GPU, or a DeviceArray
@@ -164,7 +164,7 @@ class _Rotary:
 @dataclasses.dataclass
 class _Write:
     kernel: AppendKernel
-    caches: tuple  # (_Cache, _Cache)
+    caches: tuple  # (WritableCache, WritableCache)
     views: tuple  # their shapes as the kernel sees them
     k: object  # [tokens, nhead_k, hdim], numpy or torch
     v: object
@@ -177,12 +177,12 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
     if kv_layout not in LAYOUTS:
         raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {kv_layout!r}")
     arrays = {n: rot[n] for n in ("q", "rotary_cos", "rotary_sin", "seqlen_k", "seqstart", "seqstart_q")}
-    _check_tensor_devices(
+    check_tensor_devices(
         session.device_name, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, **arrays
     )
     kc, vc = cache_arg(k_cache, "k_cache", session), cache_arg(v_cache, "v_cache", session)
     num_pages, page, nhead_k, hdim, hdim_v = _cache_layout(kc, vc, kv_layout)
-    name = _dtype_name(kc.dtype) or ("i8" if _fp8_name(kc.dtype) else None)
+    name = dtype_name(kc.dtype) or ("i8" if fp8_name(kc.dtype) else None)
     if name is None:
         raise TypeError(f"k_cache must be float16, bfloat16, float32 or fp8, got {kc.dtype}")
     k_info, v_info = rows_info(k, "k"), rows_info(v, "v")
@@ -203,7 +203,7 @@ def _plan(session, k, v, k_cache, v_cache, slot_mapping, kv_layout, rot) -> _Wri
     kept = np.flatnonzero(flat >= 0)
     rotary = _rotary(rot, name, lead, hdim, kept, kc.dtype)
     for c, cname, others in ((kc, "k_cache", dict(v_cache=v_cache)), (vc, "v_cache", {})):
-        if not _is_device_array(c.array):
+        if not is_device_array(c.array):
             clash = overlapping(c.array, dict(k=k, v=v, **arrays, **others))
             if clash:
                 raise ValueError(f"{cname} overlaps {clash} in memory: the caches are written while it is read")
@@ -235,7 +235,7 @@ def one_head_slots(pages: np.ndarray, rows: np.ndarray, nhead_k: int) -> tuple[n
     return (pages[:, None] * nhead_k + np.arange(nhead_k)).reshape(-1), np.repeat(rows, nhead_k)
 
 
-def _cache_layout(kc: _Cache, vc: _Cache, kv_layout: str) -> tuple:
+def _cache_layout(kc: WritableCache, vc: WritableCache, kv_layout: str) -> tuple:
     """(num_pages, page_block_size, nhead_k, hdim, hdim_v) of the caches."""
     dims = "page_block_size, nhead_k" if kv_layout == "NHD" else "nhead_k, page_block_size"
     for name, c in (("k_cache", kc), ("v_cache", vc)):
@@ -256,23 +256,23 @@ def _cache_layout(kc: _Cache, vc: _Cache, kv_layout: str) -> tuple:
     return num_pages, page, nhead_k, hdim, vc.shape[3]
 
 
-def cache_arg(x, name: str, session) -> _Cache:
+def cache_arg(x, name: str, session) -> WritableCache:
     """`x` as a cache the kernel can write in place on `session`'s device;
     refused by name otherwise (a copy would not be written back)."""
-    arr = x.array if isinstance(x, _DeviceCache) else x if _is_device_array(x) else None
+    arr = x.array if isinstance(x, DeviceCache) else x if is_device_array(x) else None
     if arr is not None:
         if arr._device is not session.device_of():
             raise ValueError(f"{name} is a DeviceArray of another device than the session's ({session.device})")
-        dtype = x.dtype if isinstance(x, _DeviceCache) else np.dtype(arr.dtype)
-        return _Cache(arr, tuple(int(d) for d in arr.shape), dtype)
+        dtype = x.dtype if isinstance(x, DeviceCache) else np.dtype(arr.dtype)
+        return WritableCache(arr, tuple(int(d) for d in arr.shape), dtype)
     gpu = session.device != "cpu"
-    if _is_torch(x):
+    if is_torch(x):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be a contiguous tensor to be written in place")
-        if x.device.type != "cpu":  # the session's GPU (_check_tensor_devices)
-            info = _TensorInfo(x)
-            return _Cache(x.detach(), info.shape, info.dtype)
-        a = None if gpu else _to_numpy(x, name)
+        if x.device.type != "cpu":  # the session's GPU (check_tensor_devices)
+            info = TensorInfo(x)
+            return WritableCache(x.detach(), info.shape, info.dtype)
+        a = None if gpu else to_numpy(x, name)
         if a is not None and a.ctypes.data != x.data_ptr():
             raise ValueError(f"{name} cannot be viewed as host memory without a copy")
     elif isinstance(x, np.ndarray):
@@ -290,13 +290,13 @@ def cache_arg(x, name: str, session) -> _Cache:
             f"(turbine_fmha.aligned_zeros makes such arrays, and so does every torch allocation; a view "
             f"at an offset, such as buf[1:], is not one)"
         )
-    return _Cache(a, a.shape, a.dtype)
+    return WritableCache(a, a.shape, a.dtype)
 
 
 def rows_info(x, name: str):
     """shape / ndim / dtype of an input array (numpy or torch), not copied."""
-    if _is_torch(x):
-        return _TensorInfo(x)
+    if is_torch(x):
+        return TensorInfo(x)
     if isinstance(x, np.ndarray):
         return x
     raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
@@ -375,7 +375,7 @@ def _tables(cos, sin, rotary_dim, hdim) -> tuple:
     for what, info in zip(("rotary_cos", "rotary_sin"), infos):
         if info.ndim != 2 or info.shape[1] < 1:
             raise ValueError(f"{what} must be [rotary_seqlen, rotary_dim / 2], got shape {list(info.shape)}")
-        if _dtype_name(info.dtype) is None:
+        if dtype_name(info.dtype) is None:
             raise TypeError(f"{what} must be float16, bfloat16 or float32, got {info.dtype}")
     if tuple(infos[1].shape) != tuple(infos[0].shape):
         raise ValueError(f"rotary_sin must have rotary_cos's shape {list(infos[0].shape)}, got {list(infos[1].shape)}")
@@ -387,8 +387,8 @@ def _tables(cos, sin, rotary_dim, hdim) -> tuple:
     # Widening to float32 is exact; the kernel computes in float32.
     return tuple(
         t.detach().float().contiguous()
-        if _is_torch(t) and t.device.type != "cpu"
-        else np.ascontiguousarray(_to_numpy(t, n), np.float32)
+        if is_torch(t) and t.device.type != "cpu"
+        else np.ascontiguousarray(to_numpy(t, n), np.float32)
         for t, n in ((cos, "rotary_cos"), (sin, "rotary_sin"))
     )
 
@@ -465,32 +465,32 @@ def _run(session, w: _Write):
     res = run_append(session, fn, k, v, w.slots, *caches, *extra)
     if r is None or r.q is None:
         return None
-    if _is_torch(r.q) and r.q.device.type != "cpu":
+    if is_torch(r.q) and r.q.device.type != "cpu":
         return session.to_torch(res[2])[0].reshape(r.q_shape)
     out = host_array(res[2]).reshape(r.q_shape)
-    return _numpy_to_torch(out) if _is_torch(r.q) else out
+    return numpy_to_torch(out) if is_torch(r.q) else out
 
 
 def _take(x, keep, shape):
     """Rows `keep` of x (all for None), gathered where x lives, reshaped."""
     if keep is not None:
-        x = x.index_select(0, sys.modules["torch"].as_tensor(keep, device=x.device)) if _is_torch(x) else x[keep]
+        x = x.index_select(0, sys.modules["torch"].as_tensor(keep, device=x.device)) if is_torch(x) else x[keep]
     return x.reshape(shape)
 
 
-def kernel_cache(session, c: _Cache, shape: tuple):
+def kernel_cache(session, c: WritableCache, shape: tuple):
     """A cache as the append kernel's in-place argument, viewed as `shape`
     (the same memory): imported host memory, imported torch GPU memory
     (DLPack), or the DeviceArray itself. fp8 caches go as their bytes."""
-    a, fp8 = c.array, _fp8_name(c.dtype) is not None
-    if _is_device_array(a):
+    a, fp8 = c.array, fp8_name(c.dtype) is not None
+    if is_device_array(a):
         if tuple(shape) == tuple(c.shape):
             return a
         import iree.runtime as rt
 
         bv = a._buffer_view
         return rt.DeviceArray(a._device, rt.HalBufferView(bv.get_buffer(), list(shape), bv.element_type))
-    if _is_torch(a):
+    if is_torch(a):
         return session.import_torch((a.view(sys.modules["torch"].int8) if fp8 else a).view(shape))
     imported = session.import_host(a.reshape(shape).view(np.int8) if fp8 else a.reshape(shape))
     if imported is None:  # cache_arg admitted only arrays the session imports

@@ -39,7 +39,7 @@ import torch
 
 from ..calls import options
 from ..calls.problem import layout_of_arrays
-from ..core.arrays import _torch_np_dtype
+from ..core.arrays import torch_np_dtype
 from ..core.tracing import check_no_grad
 from ..runtime.session import LIVE_SESSIONS, Session
 from . import eager, flash_attn, kv_write
@@ -157,11 +157,11 @@ def _fake(kind: str, out_form: bool):
 
 class _Meta:
     """shape / ndim / numpy dtype of a (fake) tensor for layout_of_arrays.
-    Unlike arrays._TensorInfo it keeps symbolic sizes symbolic: a batch or
+    Unlike arrays.TensorInfo it keeps symbolic sizes symbolic: a batch or
     query length that varies does not pin the compiled graph to one."""
 
     def __init__(self, t):
-        self.shape, self.ndim, self.dtype = tuple(t.shape), t.dim(), _torch_np_dtype(t.dtype)
+        self.shape, self.ndim, self.dtype = tuple(t.shape), t.dim(), torch_np_dtype(t.dtype)
 
 
 def result_shapes(

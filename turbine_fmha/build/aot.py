@@ -46,7 +46,7 @@ from ..kernels.append_kernel import AppendKernel
 from ..kernels.signature import KERNEL_ABI
 from ..kernels.variants import Variant, target_unsupported
 from .artifacts import MANIFEST, MANIFEST_VERSION, read_manifest
-from .compiler import Cancelled, _compile_one, _Compilers, compiler_version, source_hash
+from .compiler import Cancelled, Compilers, compile_one, compiler_version, source_hash
 from .default_sets import default_append_kernels, gpu_default_set, host_default_set
 from .targets import Target, get_target
 
@@ -289,7 +289,7 @@ class _Builder:
         self.rendered: dict[Variant, str] = {}
         # `parallel` compiles at once: at a core each or more, each
         # compile runs single threaded.
-        self.compilers = _Compilers(threaded=parallel < (os.cpu_count() or 1))
+        self.compilers = Compilers(threaded=parallel < (os.cpu_count() or 1))
 
     def render(self, variants) -> None:
         from ..kernels.custom_ops import render_variant
@@ -334,7 +334,7 @@ class _Builder:
         partial = _temp_name(self.out / target.name / f"{v.name}.vmfb", ".partial")
         try:
             try:
-                seconds, report, _ = _compile_one(mlir, v.name, partial, target, self.compilers)
+                seconds, report, _ = compile_one(mlir, v.name, partial, target, self.compilers)
             except RuntimeError as e:
                 return BuildResult(v.name, target.name, None, rebuilt=True, error=str(e))
             entry = self._entry(v, target, partial, shash, seconds, report)

@@ -44,7 +44,7 @@ class Cancelled(Exception):
     """The build was interrupted: no new compile starts."""
 
 
-class _Compilers:
+class Compilers:
     """The running iree-compile processes of one build, so that an interrupt
     can stop them at once instead of waiting for each (a SIGINT sent to the
     Python process alone never reaches them)."""
@@ -56,7 +56,9 @@ class _Compilers:
         # Flags for every compile of the build (the same artifacts either
         # way). Where the build's own compiles fill the cores, each
         # compiler's pass threads only contend with the others: single
-        # threaded, a kernel took ~7% less CPU on the 2-core machine.
+        # threaded, a kernel took less CPU and the same artifacts came out
+        # (docs/devlog/perf-notes.md, "Building the default sets faster",
+        # item "Compiles that fill the cores run single threaded").
         self.flags = () if threaded else ("--mlir-disable-threading",)
 
     def run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -95,7 +97,7 @@ class _Compilers:
 
 
 def _run_compile(
-    compilers: _Compilers, cwd: Path, source: str, target: Target, extra: list[str], out: Path
+    compilers: Compilers, cwd: Path, source: str, target: Target, extra: list[str], out: Path
 ) -> tuple[float, str]:
     # `source` and any path in `extra` are relative to `cwd`: IREE records
     # the paths it is given (source locations, dumped files) in the vmfb.
@@ -109,12 +111,12 @@ def _run_compile(
     return seconds, proc.stderr
 
 
-def _compile_one(
-    mlir: str, name: str, partial: Path, target: Target, compilers: _Compilers | None = None
+def compile_one(
+    mlir: str, name: str, partial: Path, target: Target, compilers: Compilers | None = None
 ) -> tuple[float, dict, str]:
     """Compiles `mlir` into `partial` (an absolute path; IREE does not record
     the output's path). Returns (seconds, ISA report, stderr)."""
-    compilers = compilers or _Compilers()
+    compilers = compilers or Compilers()
     with tempfile.TemporaryDirectory(prefix="turbine-fmha-dump-") as tmp:
         tmp = Path(tmp)
         # The source under the name it has in the artifact directory, so
@@ -138,7 +140,7 @@ def _compile_one(
 
 
 def _compile_tuned(
-    compilers: _Compilers, tmp: Path, source: str, target: Target, dump_flag: str, partial: Path
+    compilers: Compilers, tmp: Path, source: str, target: Target, dump_flag: str, partial: Path
 ) -> tuple[float, str, str]:
     """One compile in two halves: up to IREE's own executable
     configurations, then on from them with the attention's edited

@@ -29,9 +29,11 @@ from ..kernels.variants import (
 DEFAULT_HEADS = ((32, 8), (8, 8))
 DEFAULT_PAGES = (1, 16, 32, 64, 128)
 # The explicit variants' pages: 16 compiled for its size, every other page
-# size by kernels of any page (Variant.page_block_size 0), which cost
-# 0.96-1.08x the exact page's with exact head counts on the CPU and build
-# the host set in 0.63x the time (docs/benchmarks.md). (The GPUs' explicit
+# size by kernels of any page (Variant.page_block_size 0), which run about
+# as fast as the exact page's with exact head counts on the CPU, and with
+# fewer kernels build the host set in much less time
+# (docs/devlog/perf-notes.md, "Building the default sets faster", item
+# "Kernels of any page size for the host set"). (The GPUs' explicit
 # fallback had pages 16 and 64, with the same ISA at 64 and any page on
 # gfx942: no MFMA either way.)
 HOST_PAGES = (16, 0)

@@ -10,7 +10,7 @@ import dataclasses
 
 # Every artifact's entry point takes a wait fence and a signal fence and
 # returns once its work is queued: the runtime then waits the way the device
-# wants (polling on GPUs, see runtime._Loaded), instead of inside IREE's
+# wants (polling on GPUs, see runtime.Loaded), instead of inside IREE's
 # synchronous wrapper.
 EXECUTION_MODEL = "--iree-execution-model=async-external"
 

@@ -3,8 +3,11 @@
 IREE 3.13's default configuration for the online_attention dispatch tiles
 the workgroup along the output's head dim (V's columns): each workgroup then
 recomputes the whole Q.K^T for a quarter of the output. Keeping the head
-dim whole roughly halved decode and prefill times on the H200, with
-identical results (docs/devlog/perf-notes.md). The remaining fields of IREE's own
+dim whole, each workgroup computes Q.K^T (and reads K) once for all of
+its output's head dim, which sped up decode and prefill alike with
+identical results (docs/devlog/perf-notes.md,
+"GPU speed, round 1: steps taken, predicted and measured", item "The
+attention's lowering configuration"). The remaining fields of IREE's own
 configuration are kept.
 
 Applied between two halves of one compile: iree-compile stops at the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.arrays import _is_torch, _to_numpy
+from ..core.arrays import is_torch, to_numpy
 from ..core.checks import int_array
 from .plan import bias_in_table_rows, fill_unused_slots
 from .problem import Tables
@@ -74,8 +74,8 @@ def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session, name="seqle
     rows (max_seqlen_k 0) has no page to view: one zero page stands in,
     never read since every seqlen_k is then 0. `name` is the seqlen_k
     argument's name in errors (cache_seqlens is flash-attn's)."""
-    k_src = k_cache if _is_torch(k_cache) else _to_numpy(k_cache, "k_cache")
-    v_src = v_cache if _is_torch(v_cache) else _to_numpy(v_cache, "v_cache")
+    k_src = k_cache if is_torch(k_cache) else to_numpy(k_cache, "k_cache")
+    v_src = v_cache if is_torch(v_cache) else to_numpy(v_cache, "v_cache")
     for cache, a in (("k_cache", k_src), ("v_cache", v_src)):
         if a.ndim != 4:
             raise ValueError(
@@ -104,7 +104,7 @@ def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session, name="seqle
     per_row = max_sk // page
 
     def pages_of(a):
-        a = a.contiguous() if _is_torch(a) else np.ascontiguousarray(a)
+        a = a.contiguous() if is_torch(a) else np.ascontiguousarray(a)
         return a.reshape(batch_cache * per_row, page, *a.shape[2:])
 
     block_table = (rows_idx[:, None] * per_row + np.arange(per_row)[None, :]).astype(np.int32)
@@ -114,7 +114,7 @@ def paged_view(k_cache, v_cache, seqlen_k, cache_batch_idx, session, name="seqle
 def _zero_page(a, page: int):
     """One page [1, page, nhead_k, hdim] of zeros in a's dtype, on its device."""
     shape = (1, page, *a.shape[2:])
-    if _is_torch(a):
+    if is_torch(a):
         import torch
 
         return torch.zeros(shape, dtype=a.dtype, device=a.device)

@@ -35,17 +35,19 @@ MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
 # A group-padded decode (Variant.group_rows) runs one 32-lane workgroup per
 # (sequence, KV head): a GPU compute unit needs about this many at once to
-# keep loads in flight. On the H200, b32 x 4096 keys (256 items) ran 0.76 ms
-# unsplit, 0.53 ms in 2 splits, 0.33 ms in 4 and 0.32 ms in 8
-# (docs/devlog/perf-notes.md). The merge of the partials, though, is ~30 torch
-# operations after the kernel (~1.7 ms on the H200), so without a variant
+# keep loads in flight, so a decode with fewer items runs faster split until
+# it has them (docs/devlog/perf-notes.md, "GPU speed, round 2: the decode on
+# the matrix cores"). The merge of the partials, though, is ~30 torch
+# operations after the kernel, whose host time is more than the splits save
+# (same section, "Why b32 x 4096 does not split yet"), so without a variant
 # that merges them in the module (Variant.merge_splits) a decode splits only
 # when it has fewer items than compute units.
 DECODE_ITEMS_PER_UNIT = 8
 # Splits whose partials the module merges (Variant.merge_splits) cost no
-# host merge, and shorter ones paid off: on the H200, b1 x 32k keys ran its
-# attention dispatch in 85 us as 64 splits of 512 keys and in 59 us as 128
-# of 256 (benchmarks/results/2026-12-01-f4eb3fd/h200_split_count.log).
+# host merge, and shorter ones paid off: a long single decode's attention
+# ran faster in 128 splits of 256 keys than in 64 of 512, its workgroups
+# otherwise too few to hide the reads' latency (docs/devlog/perf-notes.md,
+# "Long single decodes: 128 merged splits").
 MIN_KEYS_PER_MERGED_SPLIT = 256
 MAX_MERGED_SPLITS = 128
 # The kernel arguments each run brings, first in the signature's order; a
@@ -322,16 +324,19 @@ def bias_in_table_rows(bias: np.ndarray, kv_shift: np.ndarray, nk: int) -> np.nd
 
 
 # What one more prefill launch costs, in score elements (query rows x keys)
-# of work: fit to the H200's causal 4096 prefill cut at the diagonal in row
-# tiles of 512-4096 (docs/devlog/perf-notes.md, "Causal prefill in 1024-row
-# chunks": time ~ 0.23 ms per million elements + 0.31 ms per launch).
+# of work: a launch's fixed time over the time per element, both fit to a
+# causal 4096 prefill cut at the diagonal in row tiles of 512-4096 (the fit
+# is in docs/devlog/perf-notes.md, "Causal prefill in 1024-row chunks; the
+# masked roof").
 PREFILL_LAUNCH_ELEMENTS = 1_400_000
 # Query rows a launch needs to run at the full rate (modelled_cost).
 FULL_LAUNCH_ROWS = 1024
 # Row entries replace a call's own tiles only where the model makes them at
 # least this much cheaper: the entries' rearrangement of q and the results
-# costs host time, and on the H200 a fresh causal prefill ran slower as
-# entries than its 1024-row tiles though the model put them level.
+# costs host time, and a fresh causal prefill ran slower as entries than
+# its 1024-row tiles though the model put them level
+# (docs/devlog/perf-notes.md, "Performance as called", item "Prefill rows
+# as entries").
 ENTRIES_GAIN = 0.5
 
 
@@ -380,9 +385,10 @@ def modelled_cost(variant: Variant, c: KernelCall) -> float:
     """A call's modelled device time in score elements: what its launches
     compute (each entry of a tile over the keys of its launch's table), a
     launch of fewer than FULL_LAUNCH_ROWS rows at a lower rate (it does not
-    fill the device), plus PREFILL_LAUNCH_ELEMENTS per launch. Fit to the
-    H200 (docs/devlog/perf-notes.md, "Prefill rows as entries"): a 128-row
-    launch ran its elements at about a quarter of the rate of 1024 rows."""
+    fill the device), plus PREFILL_LAUNCH_ELEMENTS per launch. The 2/3
+    power puts a 128-row launch at a quarter of the full rate, as measured
+    (docs/devlog/perf-notes.md, "Performance as called", item "Prefill
+    rows as entries")."""
     steps = kernel_steps(variant, c, with_args=False)
     elements = 0.0
     for st in steps:

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..core.arrays import _dtype_name, _fp8_max, _fp8_name, _torch_np_dtype, np_dtype
+from ..core.arrays import dtype_name, fp8_max, fp8_name, np_dtype, torch_np_dtype
 from ..core.checks import F32_MAX, check_float, check_int, float_array, int_array
 from ..kernels.variants import FP8_DTYPES, KV_LAYOUTS, V_LAYOUTS
 from .mask import MaskSpec
@@ -181,7 +181,7 @@ def _np_dtype(d, name: str) -> np.dtype:
     if d in ("f16", "bf16", "f32"):
         return np_dtype(d)
     if type(d).__module__.startswith("torch"):
-        return _torch_np_dtype(d)
+        return torch_np_dtype(d)
     try:
         return np.dtype(d)
     except TypeError:
@@ -190,11 +190,11 @@ def _np_dtype(d, name: str) -> np.dtype:
 
 def _check_dtypes(q_dt, k_dt, v_dt) -> tuple[str, str | None]:
     """(variant dtype, fp8 KV format or None) of a dtype combination."""
-    squant = _fp8_name(q_dt)  # fp8 q: static quantization
-    dt = squant or _dtype_name(q_dt)
+    squant = fp8_name(q_dt)  # fp8 q: static quantization
+    dt = squant or dtype_name(q_dt)
     if dt is None:
         raise TypeError(f"q must be float16, bfloat16, float32 or an ml_dtypes fp8 type, got {q_dt}")
-    kv_fp8 = _fp8_name(k_dt)
+    kv_fp8 = fp8_name(k_dt)
     if squant:
         for name, a in (("k_cache", k_dt), ("v_cache", v_dt)):
             if a != q_dt:
@@ -381,7 +381,7 @@ def _quant_scales(layout: Layout, given: dict) -> dict:
     ):
         val = given.get(name)
         if val is None:
-            quant[name] = _fp8_max(layout.q_dtype) if name == "p_scale" and squant else 1.0
+            quant[name] = fp8_max(layout.q_dtype) if name == "p_scale" and squant else 1.0
             continue
         if not allowed:
             raise ValueError(f"{name} is for {why} only (q is {layout.q_dtype}, k_cache is {layout.cache_dtype})")
@@ -492,11 +492,11 @@ def from_arrays(
 ) -> Problem:
     """The Problem of fmha_fwd_paged's arguments. Only shapes and dtypes of
     q and the caches are looked at (a torch GPU q stays on its device)."""
-    from ..core.arrays import _cache_array, _DeviceCache, _is_torch, _TensorInfo, _to_numpy
+    from ..core.arrays import DeviceCache, TensorInfo, cache_array, is_torch, to_numpy
 
-    qi = _TensorInfo(q) if _is_torch(q) and q.device.type != "cpu" else _to_numpy(q, "q")
-    kc, vc = _cache_array(k_cache, "k_cache"), _cache_array(v_cache, "v_cache")
-    if isinstance(kc, _DeviceCache) != isinstance(vc, _DeviceCache):
+    qi = TensorInfo(q) if is_torch(q) and q.device.type != "cpu" else to_numpy(q, "q")
+    kc, vc = cache_array(k_cache, "k_cache"), cache_array(v_cache, "v_cache")
+    if isinstance(kc, DeviceCache) != isinstance(vc, DeviceCache):
         raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
     layout = layout_of_arrays(qi, kc, vc, v_layout, seqstart_q is not None, kv_layout)
     t = tables(block_table, seqlen_k, layout, q_shape=tuple(qi.shape[:-2]), seqstart_q=seqstart_q, kv_offset=kv_offset)

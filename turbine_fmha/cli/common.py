@@ -12,14 +12,14 @@ from ..core.env import ARTIFACTS as ENV_ARTIFACTS
 from ..runtime.paths import default_artifact_dir
 
 # Exceptions whose message says all there is to say: no type name needed.
-_PLAIN_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+PLAIN_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
 
 
 class CliError(Exception):
     """A command's invalid input or unusable state: printed as one line."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):
         # argparse would print the usage block first; one line is enough
         # (--help has the rest).

@@ -19,7 +19,7 @@ from ..build.targets import TARGETS
 from ..core.env import ARTIFACTS as ENV_ARTIFACTS
 from ..core.version import VERSION
 from ..runtime.paths import default_artifact_dir
-from .common import _PLAIN_ERRORS, CliError, _Parser, artifact_dir, emit_json, int_list, positive_int
+from .common import PLAIN_ERRORS, CliError, Parser, artifact_dir, emit_json, int_list, positive_int
 from .problem import add_problem_commands
 
 
@@ -275,7 +275,7 @@ def _build_parser(sub) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="turbine-fmha", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="turbine-fmha", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"turbine-fmha {VERSION}")
     sub = p.add_subparsers(dest="cmd", required=True)
     _build_parser(sub)
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        kind = "" if isinstance(e, (CliError, *_PLAIN_ERRORS)) else f"{type(e).__name__}: "
+        kind = "" if isinstance(e, (CliError, *PLAIN_ERRORS)) else f"{type(e).__name__}: "
         print(f"{p.prog} {args.cmd}: error: {kind}{' '.join(str(e).split())}", file=sys.stderr)
         return 2
 

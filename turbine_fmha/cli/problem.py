@@ -232,11 +232,11 @@ def torch_gather_sdpa(args, prob, dev: str = "cpu"):
     import torch
     import torch.nn.functional as F
 
-    from ..core.arrays import _numpy_to_torch
+    from ..core.arrays import numpy_to_torch
 
     q, k, v, bt, seqlen_k = prob
     b, keys = bt.shape[0], bt.shape[1] * args.page
-    qh, kc, vc = (_numpy_to_torch(a).to(dev) for a in (q, k, v))
+    qh, kc, vc = (numpy_to_torch(a).to(dev) for a in (q, k, v))
     qh = qh.transpose(1, 2)
     pages = torch.from_numpy(np.maximum(bt, 0).astype(np.int64).reshape(-1)).to(dev)
     visible = np.arange(keys)[None, None, :] < _visible(args, seqlen_k.astype(np.int64))[:, :, None]

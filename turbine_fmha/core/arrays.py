@@ -16,7 +16,7 @@ import numpy as np
 from .devices import device_name, parse_device, torch_device_of
 
 
-def _bf16():
+def bf16_dtype():
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16)
@@ -25,20 +25,20 @@ def _bf16():
 def np_dtype(name: str) -> np.dtype:
     """The numpy dtype of a variant dtype name (f16, bf16, f32): the one
     table between the two; torch names its dtypes as numpy and ml_dtypes
-    do (`_np_torch_dtype`)."""
+    do (`np_torch_dtype`)."""
     if name == "bf16":
-        return _bf16()
+        return bf16_dtype()
     return np.dtype({"f16": np.float16, "f32": np.float32}[name])
 
 
-def _dtype_name(dt: np.dtype) -> str | None:
+def dtype_name(dt: np.dtype) -> str | None:
     return next((n for n in ("f16", "bf16", "f32") if dt == np_dtype(n)), None)
 
 
 _FP8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 
-def _fp8_name(dt: np.dtype) -> str | None:
+def fp8_name(dt: np.dtype) -> str | None:
     """ml_dtypes fp8 dtype -> variant dtype name (f8e4m3fn, ...), or None."""
     import ml_dtypes
 
@@ -48,7 +48,7 @@ def _fp8_name(dt: np.dtype) -> str | None:
     return None
 
 
-def _fp8_max(dt: np.dtype) -> float:
+def fp8_max(dt: np.dtype) -> float:
     import ml_dtypes
 
     return float(ml_dtypes.finfo(dt).max)
@@ -77,14 +77,14 @@ def kernel_host_array(a: np.ndarray, alignment: int) -> np.ndarray:
     return out
 
 
-def _is_torch(x) -> bool:
+def is_torch(x) -> bool:
     # torch is never imported here: if it is not loaded, x is no tensor.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _to_numpy(x, name: str):
-    if _is_torch(x):
+def to_numpy(x, name: str):
+    if is_torch(x):
         import torch
 
         t = x.detach()
@@ -93,14 +93,14 @@ def _to_numpy(x, name: str):
         if t.dtype == torch.bfloat16 or "float8" in str(t.dtype):
             # numpy has no such dtype: through the bits, into ml_dtypes'.
             bits = {1: torch.int8, 2: torch.int16}[t.element_size()]
-            return t.contiguous().view(bits).numpy().view(_torch_np_dtype(t.dtype))
+            return t.contiguous().view(bits).numpy().view(torch_np_dtype(t.dtype))
         return t.numpy()
     if isinstance(x, np.ndarray):
         return x
     raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
 
 
-class _DeviceCache:
+class DeviceCache:
     """An IREE DeviceArray cache seen through numpy's shape/dtype/ndim, for
     validation; `.array` goes to the kernels as is (no host copy)."""
 
@@ -127,17 +127,17 @@ def torch_gpu_memory(array) -> bool:
     return t is not None and t.is_cuda
 
 
-class _TensorInfo:
+class TensorInfo:
     """shape / ndim / dtype (numpy's) of a torch tensor, for validation
     without copying its data off its device."""
 
     def __init__(self, tensor):
         self.shape = tuple(int(d) for d in tensor.shape)
         self.ndim = len(self.shape)
-        self.dtype = _torch_np_dtype(tensor.dtype)
+        self.dtype = torch_np_dtype(tensor.dtype)
 
 
-def _np_torch_dtype(dtype):
+def np_torch_dtype(dtype):
     """The torch dtype of a numpy (or ml_dtypes) dtype: torch names its
     dtypes as numpy and ml_dtypes do."""
     import torch
@@ -145,10 +145,10 @@ def _np_torch_dtype(dtype):
     return getattr(torch, np.dtype(dtype).name)
 
 
-def _torch_np_dtype(dtype):
+def torch_np_dtype(dtype):
     name = str(dtype).split(".")[-1]
     if name == "bfloat16":
-        return _bf16()
+        return bf16_dtype()
     if "float8" in name:
         import ml_dtypes
 
@@ -156,12 +156,12 @@ def _torch_np_dtype(dtype):
     return np.dtype(name)
 
 
-class _TorchDeviceCache(_DeviceCache):
+class TorchDeviceCache(DeviceCache):
     """A torch CUDA/HIP tensor cache, imported into the session's device
     zero-copy through DLPack when the call runs (`bind`)."""
 
     def __init__(self, tensor):
-        info = _TensorInfo(tensor)
+        info = TensorInfo(tensor)
         self.shape, self.ndim, self.dtype = info.shape, info.ndim, info.dtype
         self.source = tensor  # as given: a plan recognises it by identity
         self.tensor = tensor.detach()
@@ -178,22 +178,22 @@ class _TorchDeviceCache(_DeviceCache):
         self.array = session.import_torch(t)
 
 
-def _is_device_array(x) -> bool:
+def is_device_array(x) -> bool:
     t = type(x)
     return t.__name__ == "DeviceArray" and t.__module__.startswith("iree.runtime")
 
 
-def _cache_array(x, name: str):
-    if isinstance(x, _DeviceCache):
+def cache_array(x, name: str):
+    if isinstance(x, DeviceCache):
         return x
-    if _is_device_array(x):
-        return _DeviceCache(x)
-    if _is_torch(x) and x.device.type == "cuda":
-        return _TorchDeviceCache(x)
-    return _to_numpy(x, name)
+    if is_device_array(x):
+        return DeviceCache(x)
+    if is_torch(x) and x.device.type == "cuda":
+        return TorchDeviceCache(x)
+    return to_numpy(x, name)
 
 
-def _check_tensor_devices(device, **arrays) -> None:
+def check_tensor_devices(device, **arrays) -> None:
     """torch tensors must be in host memory or, for a cuda/hip session, on
     its GPU (Session.torch_device; `device` is the session's name, "cuda"
     meaning cuda:0): anything else is refused by name rather than silently
@@ -201,7 +201,7 @@ def _check_tensor_devices(device, **arrays) -> None:
     kind, ordinal = parse_device(device)
     gpu = None if kind == "cpu" else torch_device_of(kind, ordinal)
     for name, x in arrays.items():
-        if not _is_torch(x):
+        if not is_torch(x):
             continue
         d = x.device
         if d.type == "cpu" or (gpu is not None and d.type == "cuda" and f"cuda:{d.index or 0}" == gpu):
@@ -224,29 +224,29 @@ def torch_writes_done(device=None) -> None:
     torch.cuda.current_stream(device).synchronize()
 
 
-def _numpy_to_torch(a: np.ndarray):
+def numpy_to_torch(a: np.ndarray):
     """A CPU torch tensor over a numpy array's memory (bf16 and fp8 too)."""
     import torch
 
-    if a.dtype == _bf16():
+    if a.dtype == bf16_dtype():
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    if _fp8_name(a.dtype):
-        return torch.from_numpy(a.view(np.int8)).view(_np_torch_dtype(a.dtype))
+    if fp8_name(a.dtype):
+        return torch.from_numpy(a.view(np.int8)).view(np_torch_dtype(a.dtype))
     return torch.from_numpy(a)
 
 
-def _from_numpy(a: np.ndarray, like):
-    return _numpy_to_torch(a).to(like.device)
+def from_numpy(a: np.ndarray, like):
+    return numpy_to_torch(a).to(like.device)
 
 
 def overlapping(out, arrays: dict) -> str | None:
     """The name of the first array whose memory overlaps `out`'s."""
-    lo, hi = _byte_range(out)
-    dev = _device_of(out)
+    lo, hi = byte_range(out)
+    dev = array_device(out)
     for name, a in arrays.items():
-        if a is None or not (_is_torch(a) or isinstance(a, np.ndarray)) or _device_of(a) != dev:
+        if a is None or not (is_torch(a) or isinstance(a, np.ndarray)) or array_device(a) != dev:
             continue
-        a_lo, a_hi = _byte_range(a)
+        a_lo, a_hi = byte_range(a)
         if a_lo < hi and lo < a_hi and a_hi > a_lo:
             if isinstance(a, np.ndarray) and isinstance(out, np.ndarray):
                 try:
@@ -258,7 +258,7 @@ def overlapping(out, arrays: dict) -> str | None:
     return None
 
 
-def _byte_range(a) -> tuple[int, int]:
+def byte_range(a) -> tuple[int, int]:
     if isinstance(a, np.ndarray):
         return _byte_bounds(a) if a.size else (0, 0)
     if a.numel() == 0:
@@ -275,8 +275,8 @@ _byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
 _TooHardError = getattr(np, "exceptions", np).TooHardError
 
 
-def _device_of(a) -> str:
-    return str(a.device) if _is_torch(a) else "cpu"
+def array_device(a) -> str:
+    return str(a.device) if is_torch(a) else "cpu"
 
 
 class _NumpyOps:
@@ -377,7 +377,7 @@ _TORCH_OPS: list = []  # made on first use: torch is imported only for torch arr
 
 def ops_for(x):
     """The array operations for x's kind (numpy or torch)."""
-    if not _is_torch(x):
+    if not is_torch(x):
         return _NUMPY_OPS
     if not _TORCH_OPS:
         _TORCH_OPS.append(_TorchOps())

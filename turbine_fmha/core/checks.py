@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from .arrays import _bf16, _is_torch, _to_numpy, _torch_np_dtype, overlapping
+from .arrays import bf16_dtype, is_torch, overlapping, to_numpy, torch_np_dtype
 
 F32_MAX = float(np.finfo(np.float32).max)
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -32,7 +32,7 @@ def check_float(value, name: str) -> float:
 
 
 def int_array(x, name: str, ndim: int) -> np.ndarray:
-    a = _to_numpy(x, name)
+    a = to_numpy(x, name)
     if a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {a.shape}")
     if not np.issubdtype(a.dtype, np.integer):
@@ -48,8 +48,8 @@ def int_array(x, name: str, ndim: int) -> np.ndarray:
 def float_array(x, name: str, *, finite: bool = False) -> np.ndarray:
     """x as float32. Values float32 cannot hold are refused by name rather
     than becoming Inf; with finite=True, NaN and Inf are too."""
-    a = _to_numpy(x, name)
-    if not np.issubdtype(a.dtype, np.floating) and a.dtype != _bf16():
+    a = to_numpy(x, name)
+    if not np.issubdtype(a.dtype, np.floating) and a.dtype != bf16_dtype():
         raise TypeError(f"{name} must be a float array, got {a.dtype}")
     wide = a.astype(np.float64, copy=False)
     given = np.isfinite(wide)
@@ -66,13 +66,13 @@ def float_array(x, name: str, *, finite: bool = False) -> np.ndarray:
 def check_out(out, q, torch_results, out_shape, dtype, inputs, session):
     """A caller's `out`: q's kind and device, the result's shape and dtype,
     contiguous and writeable, and sharing no memory with `inputs`."""
-    if _is_torch(out):
-        if not _is_torch(q) or out.device != q.device:
+    if is_torch(out):
+        if not is_torch(q) or out.device != q.device:
             raise TypeError("a torch out needs q to be a torch tensor on the same device")
-        if tuple(out.shape) != tuple(out_shape) or _torch_np_dtype(out.dtype) != dtype:
+        if tuple(out.shape) != tuple(out_shape) or torch_np_dtype(out.dtype) != dtype:
             raise ValueError(
                 f"out must have shape {list(out_shape)} and dtype {dtype}, "
-                f"got {list(out.shape)} {_torch_np_dtype(out.dtype)}"
+                f"got {list(out.shape)} {torch_np_dtype(out.dtype)}"
             )
         if not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")

@@ -65,7 +65,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..api.attention import PagedAttention
 from ..api.cache import CacheFullError, PagedKVCache, all_values_finite
-from ..core.arrays import _DeviceCache, _numpy_to_torch, _to_numpy, _torch_np_dtype, np_dtype
+from ..core.arrays import DeviceCache, np_dtype, numpy_to_torch, to_numpy, torch_np_dtype
 from ..runtime.session import Session
 from ._hf_masks import NAME, NO_TERMS, left_padding, padding_mask, refuse_unsupported
 
@@ -303,7 +303,7 @@ class PagedLayer(CacheLayerMixin):
         planner.layers.append(weakref.ref(self))
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        dtype = _torch_np_dtype(key_states.dtype)
+        dtype = torch_np_dtype(key_states.dtype)
         if dtype not in _DTYPES or value_states.dtype != key_states.dtype:
             raise TypeError(
                 f"PagedCache keeps float32, float16 or bfloat16 keys and values, got "
@@ -341,7 +341,7 @@ class PagedLayer(CacheLayerMixin):
         # bf16 (which numpy reads through its bits) is copied.
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)
         if not self.on_device:
-            k, v = _to_numpy(k, "key_states"), _to_numpy(v, "value_states")
+            k, v = to_numpy(k, "key_states"), to_numpy(v, "value_states")
         n = k.shape[1]
         self._changing(lambda: self._append(k, v), ("update", n))
         self._unattended = n
@@ -423,13 +423,13 @@ class PagedLayer(CacheLayerMixin):
             # The kernels read the device arrays in place. The model only
             # passes the tagged tensors on, so they need no memory: one
             # element expanded to the pool's shape, never a copy of it.
-            self.caches = tuple(_DeviceCache(a, pool.dtype) for a in (pool.k_dev, pool.v_dev))
+            self.caches = tuple(DeviceCache(a, pool.dtype) for a in (pool.k_dev, pool.v_dev))
             self.keys, self.values = (
                 torch.empty((), dtype=self.dtype, device=self.device).expand(c.shape) for c in self.caches
             )
         else:
             self.caches = (pool.k, pool.v)
-            self.keys, self.values = (_numpy_to_torch(a) for a in self.caches)
+            self.keys, self.values = (numpy_to_torch(a) for a in self.caches)
         ref = weakref.ref(self)  # no cycle: the pools are freed with the cache
         setattr(self.keys, _TAG, ref)
         setattr(self.values, _TAG, ref)

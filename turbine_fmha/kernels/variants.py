@@ -89,10 +89,13 @@ class Variant(Named):
     # before the PV product, so that non-finite stale values cannot reach
     # the output (0 * NaN). (Stale K needs nothing: every online kernel
     # turns NaN/+Inf scores into a sentinel that the mask removes.) Online
-    # variants may go without it: the V copy it needs halved decode speed
-    # on the H200, and the runtime uses them only after checking that
-    # those rows are finite (plan.stale_rows_finite). Both propagate NaN
-    # exactly as the reference does.
+    # variants may go without it: the V copy it needs writes V out and reads
+    # it back, which a decode, bound by its K/V reads, pays in full
+    # (docs/devlog/perf-notes.md, "GPU speed, round 1: steps taken,
+    # predicted and measured", item "The V guard"), and the runtime uses
+    # them only after checking that those rows are finite
+    # (plan.stale_rows_finite). Both propagate NaN exactly as the reference
+    # does.
     v_guard: bool = dataclasses.field(default=True, metadata=enum(_flag("_nvguard", when=False)))
     # Static batch tile and query rows (online formulation only; 0 = dynamic).
     batch_tile: int = dataclasses.field(default=0, metadata=number("_b", omit=0))
@@ -366,9 +369,12 @@ PROBLEM_FIELDS = (
 # (split-KV's partial calls count as sequences: batch 32 in 4 splits is one
 # launch of the 128 tile);
 # prefill in 128-row chunks for short prompts and 4096-row chunks for long
-# ones (one launch instead of 32: 21 ms vs 35 ms for a 4096 causal prefill
-# on the H200, docs/devlog/perf-notes.md), and 1024-row chunks that a causal
-# prefill cuts at the diagonal (3.60 ms against 4.12 for one 4096-row call).
+# ones (one launch instead of 32: each launch costs time of its own, and
+# 128 rows do not fill a GPU; docs/devlog/perf-notes.md, "H200 measurements
+# (CUDA sm_80 PTX)"), and 1024-row chunks that a causal prefill cuts at the
+# diagonal (the masked scores they skip outweigh the three more launches
+# than one 4096-row call: docs/devlog/perf-notes.md, "Causal prefill in
+# 1024-row chunks; the masked roof").
 # The runtime picks the least padding, then the fewest launches (for a
 # prefill with a right mask edge: the least modelled time,
 # selection.prefill_tile_cost).
@@ -383,10 +389,12 @@ GPU_DECODE_TILE = GPU_DECODE_TILES[0]
 # Decode variants that merge split-KV partials in the module
 # (Variant.merge_splits): (batch tile, split count). The runtime splits a
 # decode into at most 8 items per compute unit (plan.merged_decode_splits),
-# i.e. 66-132 kernel entries on an H200 for long keys: tile 128 for each
-# count, 64 and 32 where short keys or small batches make fewer entries (a
-# call that takes two launches pays ~0.5 ms more on the host than one that
-# takes one: docs/devlog/perf-notes.md).
+# i.e. 66-132 kernel entries for long keys on a GPU of 132 compute units:
+# tile 128 for each count, 64 and 32 where short keys or small batches make
+# fewer entries (a call that takes two launches sends the second through
+# the padded, placed path, whose allocations and copies cost far more host
+# time than one launch: docs/devlog/perf-notes.md, "GPU speed, round 2: the
+# split-KV merge inside the module").
 MERGED_DECODE_TILES = (
     tuple((128, n) for n in (2, 4, 8, 16, 32, 64, 128))
     + tuple((64, n) for n in (8, 16, 32, 64))
@@ -401,8 +409,8 @@ MERGE_SPLITS = tuple(sorted({n for _, n in MERGED_DECODE_TILES}))
 MERGED_TILES = tuple(sorted({t for t, _ in MERGED_DECODE_TILES}))
 # (batch tile, split count) of the merged decodes the default sets keep
 # in one count beside the tile's run-time count: at 128 splits of one
-# sequence the run-time count cost ~9% more on the H200, at 8 and 32 it
-# did not (docs/devlog/perf-notes.md, "A run-time split count"). 64 splits
+# sequence the run-time count was measurably slower, at 8 and 32 it was
+# not (docs/devlog/perf-notes.md, "A run-time split count"). 64 splits
 # (two sequences a launch) are kept too, not measured.
 MERGED_STATIC_TILES = ((128, 64), (128, 128))
 GPU_PREFILL_TILE = GPU_PREFILL_TILES[0]

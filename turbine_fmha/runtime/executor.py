@@ -24,20 +24,20 @@ from ..calls.plan import combine_splits, repeat_rows, rows_finite, rows_sum
 from ..calls.planner import Part, Plan, direct, join_axis, part_steps, part_variant
 from ..calls.problem import sinks_array
 from ..core.arrays import (
-    _byte_range,
-    _cache_array,
-    _check_tensor_devices,
-    _device_of,
-    _DeviceCache,
-    _from_numpy,
-    _is_device_array,
-    _is_torch,
-    _np_torch_dtype,
-    _numpy_to_torch,
-    _TensorInfo,
-    _to_numpy,
-    _TorchDeviceCache,
+    DeviceCache,
+    TensorInfo,
+    TorchDeviceCache,
+    array_device,
+    byte_range,
+    cache_array,
+    check_tensor_devices,
+    from_numpy,
+    is_device_array,
+    is_torch,
+    np_torch_dtype,
+    numpy_to_torch,
     ops_for,
+    to_numpy,
     torch_gpu_memory,
     torch_writes_done,
 )
@@ -86,7 +86,7 @@ class Results:
         else:
             import torch
 
-            a = torch.empty(shape, dtype=_np_torch_dtype(dtype), device=self.torch_device)
+            a = torch.empty(shape, dtype=np_torch_dtype(dtype), device=self.torch_device)
         if fill is not None:
             a[...] = fill
         return a
@@ -103,9 +103,9 @@ class Results:
         arg_lists = [
             [
                 a
-                if _is_device_array(a)
+                if is_device_array(a)
                 else self.session.import_torch(
-                    a if _is_torch(a) else _numpy_to_torch(a).to(self.torch_device, non_blocking=True)
+                    a if is_torch(a) else numpy_to_torch(a).to(self.torch_device, non_blocking=True)
                 )
                 for a in args
             ]
@@ -120,8 +120,9 @@ class Results:
     def upload(self, arrays: list) -> list:
         """Small host arrays as kernel arguments on the session's device: IREE
         buffers, or on a GPU torch path one torch upload of them all (each
-        upload costs ~20 us of host time on the H200) whose aligned slices
-        are imported through DLPack."""
+        upload has a fixed host cost, so one beats one per array:
+        docs/devlog/perf-notes.md, "Round 2: how the kernel is called")
+        whose aligned slices are imported through DLPack."""
         if self.torch_device is None:
             import iree.runtime as rt
 
@@ -135,7 +136,7 @@ class Results:
             packed[o : o + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         dev = torch.from_numpy(packed).to(self.torch_device)
         return [
-            self.session.import_torch(dev[o : o + a.nbytes].view(_np_torch_dtype(a.dtype)).view(a.shape))
+            self.session.import_torch(dev[o : o + a.nbytes].view(np_torch_dtype(a.dtype)).view(a.shape))
             for a, o in zip(arrays, offsets)
         ]
 
@@ -150,8 +151,8 @@ class Results:
 
 def _memory_of(v_cache) -> tuple:
     """Where a V cache's memory is (NONFINITE_SEEN's key)."""
-    a = v_cache.tensor if isinstance(v_cache, _TorchDeviceCache) else v_cache
-    return _device_of(a), _byte_range(a)
+    a = v_cache.tensor if isinstance(v_cache, TorchDeviceCache) else v_cache
+    return array_device(a), byte_range(a)
 
 
 class Executor:
@@ -211,9 +212,9 @@ class Executor:
             return self.p.kv_rows_finite
         if part.stale is None:
             return False
-        if isinstance(v_cache, _DeviceCache) and not isinstance(v_cache, _TorchDeviceCache):
+        if isinstance(v_cache, DeviceCache) and not isinstance(v_cache, TorchDeviceCache):
             return False  # IREE device arrays are not looked at
-        cache = v_cache.tensor if isinstance(v_cache, _TorchDeviceCache) else v_cache
+        cache = v_cache.tensor if isinstance(v_cache, TorchDeviceCache) else v_cache
         kv_layout = self.p.layout.kv_layout
         key = (i, str(getattr(cache, "device", "host")))
         index = self._stale_index.get(key)
@@ -228,27 +229,27 @@ class Executor:
         """Whether run() checks this cache's stale rows behind its kernels:
         a torch GPU cache, whose check would otherwise wait for the device
         before anything is queued (a host-side check costs no wait)."""
-        return isinstance(v_cache, _TorchDeviceCache)
+        return isinstance(v_cache, TorchDeviceCache)
 
     def run(self, q, k_cache, v_cache, *, out=None, return_lse=False, sinks=None):
         session = self.session
-        _check_tensor_devices(session.device_name, q=q, k_cache=k_cache, v_cache=v_cache, out=out, sinks=sinks)
+        check_tensor_devices(session.device_name, q=q, k_cache=k_cache, v_cache=v_cache, out=out, sinks=sinks)
         check_no_grad(dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out))
         sinks = self._run_sinks(sinks)
         like, kc, vc, torch_results = self._arrays(q, k_cache, v_cache, out)
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         results = Results(session, like if torch_results else None)
-        q = like.detach() if torch_results else _to_numpy(like, "q")
-        out_tensor = out if _is_torch(out) and not torch_results else None
+        q = like.detach() if torch_results else to_numpy(like, "q")
+        out_tensor = out if is_torch(out) and not torch_results else None
         if out_tensor is not None:  # a torch CPU out, written through its numpy view
-            out = _to_numpy(out_tensor, "out")
+            out = to_numpy(out_tensor, "out")
         if not torch_results and any(
-            isinstance(c, _TorchDeviceCache) or (isinstance(c, _DeviceCache) and torch_gpu_memory(c.array))
+            isinstance(c, TorchDeviceCache) or (isinstance(c, DeviceCache) and torch_gpu_memory(c.array))
             for c in (kc, vc)
         ):
             torch_writes_done()
-        v_src = v_cache if not _is_torch(v_cache) else vc
+        v_src = v_cache if not is_torch(v_cache) else vc
         parts = [i for i, pt in enumerate(self.parts) if pt.rows]
         finite = [self._rows_finite(i, v_src, defer=True) for i in parts]
         if NONFINITE_SEEN and all(f is True for f in finite):
@@ -284,10 +285,10 @@ class Executor:
                 out, lse = self._launch(redo, q, kc, vc, results, given_out, return_lse, sinks=sinks)
             else:  # a mixed batch's other part was right: its rows stay
                 self._launch(redo, q, kc, vc, results, out, return_lse, lse, sinks)
-        if torch_results or not _is_torch(like):
+        if torch_results or not is_torch(like):
             return (out, lse) if return_lse else out
-        out_t = out_tensor if out_tensor is not None else _from_numpy(out, like)
-        return (out_t, _from_numpy(lse, like)) if return_lse else out_t
+        out_t = out_tensor if out_tensor is not None else from_numpy(out, like)
+        return (out_t, from_numpy(lse, like)) if return_lse else out_t
 
     def _launch(self, work, q, kc, vc, results, out, return_lse, lse=None, sinks=None):
         """(out, lse) of the parts' kernels (`work`: (part index, variant));
@@ -315,7 +316,7 @@ class Executor:
             lses = [r[1][:nb, :, :nr] for r, (nb, nr) in zip(pieces, cut)] if return_lse else None
             if part.entries:
                 o, lse = (None if xs is None else xs[0] if len(xs) == 1 else xp.concat(xs, 0) for xs in (outs, lses))
-                o, lse = _from_entries(o, lse, part.entries, part.rows)
+                o, lse = from_entries(o, lse, part.entries, part.rows)
                 if out is None:  # the rearrangement's own copy where it made one
                     return _dense(o, xp), None if lse is None else _dense(lse, xp)
                 outs, lses = [o], [lse]
@@ -335,7 +336,7 @@ class Executor:
         """Checks the layer's arrays against the plan; returns (q, k and v
         as the kernels take them, whether results stay torch tensors)."""
         lay, t, session = self.p.layout, self.p.tables, self.session
-        info = _TensorInfo(q) if _is_torch(q) else _to_numpy(q, "q")
+        info = TensorInfo(q) if is_torch(q) else to_numpy(q, "q")
         want = ((t.total_q,) if t.group else (t.batch, t.seqlen_q)) + (lay.nhead_q, lay.hdim_q)
         if tuple(info.shape) != want or info.dtype != lay.q_dtype:
             raise ValueError(
@@ -346,19 +347,19 @@ class Executor:
         for name, a, shape in (("k_cache", k_cache, lay.k_shape), ("v_cache", v_cache, lay.v_shape)):
             c = self._bound_cache(name, a)
             if c is None:
-                c = _cache_array(a, name)
+                c = cache_array(a, name)
                 if tuple(c.shape) != shape or c.dtype != lay.cache_dtype:
                     raise ValueError(
                         f"{name} must have shape {list(shape)} and dtype {lay.cache_dtype} "
                         f"(as planned), got {list(c.shape)} {c.dtype}"
                     )
             caches.append(c)
-        if isinstance(caches[0], _DeviceCache) != isinstance(caches[1], _DeviceCache):
+        if isinstance(caches[0], DeviceCache) != isinstance(caches[1], DeviceCache):
             raise TypeError("k_cache and v_cache must both be host arrays or both IREE device arrays")
         torch_out = (
-            _is_torch(q)
+            is_torch(q)
             and not lay.static_quant
-            and (out is None or _is_torch(out))
+            and (out is None or is_torch(out))
             and str(q.device) == session.torch_device
         )
         if out is not None:
@@ -379,7 +380,7 @@ class Executor:
         """The torch GPU cache `a` as checked and imported by an earlier run
         of this executor, if its memory and layout are unchanged: a serving
         step runs each layer's caches, and a bind costs an import."""
-        if not (_is_torch(a) and a.is_cuda):
+        if not (is_torch(a) and a.is_cuda):
             return None
         hit = self._binds.get((name, id(a)))
         if hit is not None and hit[0] is a and hit[1] == _fingerprint(a):
@@ -390,12 +391,12 @@ class Executor:
         """torch GPU caches imported for this run; IREE device arrays must
         be the session's."""
         for name, c in zip(("k_cache", "v_cache"), caches):
-            if isinstance(c, _TorchDeviceCache) and c.array is None:  # its device was checked on entry
+            if isinstance(c, TorchDeviceCache) and c.array is None:  # its device was checked on entry
                 c.bind(self.session)
                 if len(self._binds) < self._max_binds:
                     t = c.source
                     self._binds[(name, id(t))] = (t, _fingerprint(t), c)
-            elif isinstance(c, _DeviceCache) and c.array._device is not self.session.device_of():
+            elif isinstance(c, DeviceCache) and c.array._device is not self.session.device_of():
                 raise ValueError(
                     f"{name} is a DeviceArray of another device than the session's ({self.session.device})"
                 )
@@ -473,7 +474,7 @@ class Executor:
             out_b[...] = o_c  # rounded to q's dtype once
             lse_b[...] = l_c
         elif part.entries:
-            o_e, l_e = _from_entries(dst[0], dst[1], part.entries, rows)
+            o_e, l_e = from_entries(dst[0], dst[1], part.entries, rows)
             (out_b.view(np.int8) if lay.static_quant else out_b)[...] = o_e
             lse_b[...] = l_e
         if t.group:
@@ -495,7 +496,7 @@ class Executor:
         gather (one launch on a GPU, not one per sequence)."""
         part = self.parts[i]
         if not self.p.tables.group:
-            qb = q.contiguous() if _is_torch(q) else np.ascontiguousarray(q)
+            qb = q.contiguous() if is_torch(q) else np.ascontiguousarray(q)
         else:
             src, dst = self._indices(i, results)
             qb = results.empty((part.active.size, part.rows) + tuple(q.shape[1:]), self.p.layout.q_dtype, fill=0)
@@ -514,7 +515,7 @@ def to_entries(qb, chunks: int, dtype, results):
     return _swap01(view).reshape((chunks * batch, ENTRY_ROWS) + tuple(qb.shape[2:]))
 
 
-def _from_entries(out_e, lse_e, chunks: int, rows: int):
+def from_entries(out_e, lse_e, chunks: int, rows: int):
     """The row entries' out [E, ENTRY_ROWS, heads, dv] and LSE [E, heads,
     ENTRY_ROWS] back as [batch, rows, heads, dv] and [batch, heads, rows]
     (the LSE None if given None)."""
@@ -526,7 +527,7 @@ def _from_entries(out_e, lse_e, chunks: int, rows: int):
     if lse_e is None:
         return out[:, :rows], None
     lse = lse_e.reshape((chunks, batch, heads, ENTRY_ROWS))
-    lse = (lse.permute(1, 2, 0, 3) if _is_torch(lse) else lse.transpose(1, 2, 0, 3)).reshape(
+    lse = (lse.permute(1, 2, 0, 3) if is_torch(lse) else lse.transpose(1, 2, 0, 3)).reshape(
         (batch, heads, chunks * ENTRY_ROWS)
     )
     return out[:, :rows], lse[:, :, :rows]
@@ -534,11 +535,11 @@ def _from_entries(out_e, lse_e, chunks: int, rows: int):
 
 def _dense(a, xp):
     """a if C-contiguous, else a contiguous copy."""
-    return a if (a.is_contiguous() if _is_torch(a) else a.flags.c_contiguous) else xp.concat([a], 0)
+    return a if (a.is_contiguous() if is_torch(a) else a.flags.c_contiguous) else xp.concat([a], 0)
 
 
 def _swap01(a):
-    return a.transpose(0, 1) if _is_torch(a) else a.swapaxes(0, 1)
+    return a.transpose(0, 1) if is_torch(a) else a.swapaxes(0, 1)
 
 
 def _fingerprint(t) -> tuple:
@@ -567,7 +568,7 @@ class LaterBool:
             return
         self._started = True
         x = self._compute()
-        if not (_is_torch(x) and x.is_cuda):
+        if not (is_torch(x) and x.is_cuda):
             self._host = self._predicate(float(x))
             return
         import torch

@@ -11,13 +11,13 @@ import numpy as np
 
 from ..build.targets import DEFAULT_BINDING_ALIGNMENT
 from ..core.arrays import (
-    _DeviceCache,
-    _fp8_name,
-    _is_device_array,
-    _is_torch,
-    _np_torch_dtype,
-    _to_numpy,
+    DeviceCache,
+    fp8_name,
+    is_device_array,
+    is_torch,
     kernel_host_array,
+    np_torch_dtype,
+    to_numpy,
     torch_writes_done,
 )
 from ..core.devices import torch_device_of
@@ -73,8 +73,9 @@ class DeviceInterop:
         transients (runtime.DEFAULT_CUDA_ALLOCATORS), which counts every
         live buffer it hands out against its capacity: long-lived ones would
         use it up, and each call's buffers would then be a synchronous
-        cuMemAlloc and a device-synchronizing cuMemFree (decodes 2-3x
-        slower on the H200 with 3 GiB held; docs/devlog/perf-notes.md)."""
+        cuMemAlloc and a device-synchronizing cuMemFree, so that every call
+        waits for the device (docs/devlog/perf-notes.md, "The host side of
+        a GPU call: queued calls and the call-buffer pool")."""
         import iree.runtime as rt
 
         # IREE's caching allocator routes exportable buffers to the device
@@ -85,19 +86,20 @@ class DeviceInterop:
     def device_zeros(self, shape: tuple, dtype: np.dtype):
         """device_array(np.zeros(shape, dtype)), made on the device where
         torch can: a GPU session's zeros are torch memory (one memset)
-        imported through DLPack, not host zeros copied over (a Hugging Face
-        model's pools for a 2048-token prompt took ~30 ms of its 51 ms
-        prompt forward that way on the H200). Like device_array's, the memory
-        is outside the pool that recycles the calls' buffers."""
+        imported through DLPack, not host zeros copied over (copying a
+        Hugging Face model's new pools took most of its prompt forward:
+        docs/devlog/perf-notes.md, "Performance as called", item "The
+        prompt forward: pools made on the device"). Like device_array's,
+        the memory is outside the pool that recycles the calls' buffers."""
         torch = sys.modules.get("torch")
         if self.target.driver == "local-task" or torch is None:
             return self.device_array(np.zeros(shape, dtype))
-        zeros = torch.zeros(shape, dtype=_np_torch_dtype(dtype), device=self.torch_device)
+        zeros = torch.zeros(shape, dtype=np_torch_dtype(dtype), device=self.torch_device)
         torch_writes_done(self.torch_device)  # the memset, before IREE reads or writes the memory
         return self.import_torch(zeros)
 
     def kernel_cache(self, c, as_bytes: bool, kept: dict | None = None, alignment: int = DEFAULT_BINDING_ALIGNMENT):
-        """A cache (an arrays._cache_array) as a kernel argument: device
+        """A cache (an arrays.cache_array) as a kernel argument: device
         arrays as they are; host caches read in place on CPU sessions (a
         strided one, or one less aligned than `alignment`, what the kernel
         assumes, is copied, aligned, per call). `as_bytes`: the kernel takes
@@ -105,7 +107,7 @@ class DeviceInterop:
         in place, by memory and layout, so that the next layer's run() of
         the same arrays imports nothing; it holds the arrays (like a plan's
         bound torch caches)."""
-        if isinstance(c, _DeviceCache):
+        if isinstance(c, DeviceCache):
             return c.array
         # Keyed by the caller's array as it is (the lookup is most of a
         # layer's run() on a small decode, so it reads the pointer once).
@@ -152,8 +154,8 @@ class DeviceInterop:
             except RuntimeError:
                 # IREE's CUDA driver exports only plain device allocations,
                 # not the stream-ordered ones that hold function results
-                # (measured on the H200: "buffer type is not supported for
-                # export"). Remembered, so later calls go straight to copies.
+                # (it raises "buffer type is not supported for export").
+                # Remembered, so later calls go straight to copies.
                 self._exports = False
         return self.device_copy_to_torch(*arrays)
 
@@ -179,7 +181,7 @@ class DeviceInterop:
         torch memory."""
         import torch
 
-        out = [torch.empty(tuple(a.shape), dtype=_np_torch_dtype(a.dtype), device=self.torch_device) for a in arrays]
+        out = [torch.empty(tuple(a.shape), dtype=np_torch_dtype(a.dtype), device=self.torch_device) for a in arrays]
         if out and out[0].is_cuda:
             torch.cuda.synchronize(out[0].device)  # the allocations are stream-ordered too
         device = self.device_of()
@@ -194,7 +196,8 @@ class DeviceInterop:
 
 def _capsule(t):
     """A DLPack capsule of a torch tensor. The legacy exporter skips the
-    stream handshake of `__dlpack__`, which cost ~70 us a call on the H200:
+    stream handshake of `__dlpack__`, a host cost paid on every call
+    (docs/devlog/perf-notes.md, "The host side of a call: plan/run"):
     callers synchronize torch's stream themselves before IREE reads."""
     from torch.utils.dlpack import to_dlpack
 
@@ -204,13 +207,13 @@ def _capsule(t):
 def kernel_input(session, x):
     """An input of the append kernel as it takes it: host arrays as numpy
     (fp8 as their bytes), torch tensors on the session's GPU imported."""
-    if _is_device_array(x):
+    if is_device_array(x):
         return x
-    if _is_torch(x) and x.device.type != "cpu":
+    if is_torch(x) and x.device.type != "cpu":
         t = x.detach()
         return session.import_torch(t.view(sys.modules["torch"].int8) if "float8" in str(t.dtype) else t)
-    a = np.ascontiguousarray(_to_numpy(x, "x"))
-    return a.view(np.int8) if _fp8_name(a.dtype) else a
+    a = np.ascontiguousarray(to_numpy(x, "x"))
+    return a.view(np.int8) if fp8_name(a.dtype) else a
 
 
 def run_append(session, fn, *arrays):

@@ -8,12 +8,13 @@ import threading
 import time
 
 # How long a GPU call's thread polls for completion before it sleeps in the
-# wait: decode kernels take 0.1-1 ms; past 2 ms a late wake-up costs little
-# next to the kernel, and the core is given back.
+# wait: long enough to cover a decode kernel; a call that runs longer makes
+# a late wake-up cost little next to the kernel, and the core is given back
+# (docs/devlog/perf-notes.md, "Round 2: how the kernel is called").
 SPIN_SECONDS = 0.002
 
 
-class _Loaded:
+class Loaded:
     """One verified, loaded artifact. The VM module is shared; each thread
     gets its own VM context (IREE contexts are not safe for concurrent
     invocation) and its own timeline semaphore, so calls from several
@@ -60,7 +61,8 @@ class _Loaded:
         """Queues the entry point on `args` and returns at once (for
         artifacts built before EXECUTION_MODEL, after the work). Device
         arrays go straight to the VM (FunctionInvoker's packing and wrapping
-        cost ~0.1 ms a call on the H200); host arrays are copied in, as
+        is Python work on every call: docs/devlog/perf-notes.md, "Round 2:
+        how the kernel is called"); host arrays are copied in, as
         FunctionInvoker would. `after`: a _Call whose work must finish
         first (default: none, the inputs are ready). Name it only for a real
         dependency: the call's allocations then wait for it on the host
@@ -104,17 +106,18 @@ class _Loaded:
 
 
 class _Call:
-    """One queued call of a _Loaded: its results and its signal fence."""
+    """One queued call of a Loaded: its results and its signal fence."""
 
-    def __init__(self, loaded: _Loaded, ret_list):
+    def __init__(self, loaded: Loaded, ret_list):
         self.loaded, self.ret_list = loaded, ret_list
         self.done, self.timeline, self.value = None, None, 0
 
     def wait(self) -> None:
         """Returns once the call's device work is done. On a GPU the thread
         first polls for up to SPIN_SECONDS: a thread that sleeps in the wait
-        wakes late and cold, which cost ~0.1 ms per decode call on the H200
-        (docs/devlog/perf-notes.md). CPU kernels run on this machine's cores, so
+        wakes late and cold, which slows every host step after it, a large
+        share of a decode call (docs/devlog/perf-notes.md, "Round 2: how the
+        kernel is called"). CPU kernels run on this machine's cores, so
         the host never spins there."""
         if self.done is None:
             return

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from ..core.arrays import _is_device_array, _is_torch
+from ..core.arrays import is_device_array, is_torch
 
 # Plans a session keeps: a step's distinct calls (decode, prefill chunks,
 # a few layouts), not a history.
@@ -60,13 +60,13 @@ def _feed(h, x, layout_only: bool) -> None:
         h.update(f"ndarray{x.dtype.name}{x.dtype.str}{x.shape}{x.strides};".encode())
         if not layout_only:
             h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
-    elif _is_torch(x):
+    elif is_torch(x):
         import torch
 
         h.update(f"tensor{x.dtype}{tuple(x.shape)}{x.stride()}{x.device};".encode())
         if not layout_only:  # as bytes: numpy has no bf16/fp8
             h.update(x.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
-    elif _is_device_array(x) and layout_only:
+    elif is_device_array(x) and layout_only:
         h.update(f"DeviceArray{x.dtype}{tuple(x.shape)};".encode())
     else:
         raise _Undigestable

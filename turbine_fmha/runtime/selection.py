@@ -22,7 +22,7 @@ from ..kernels.variants import (
 _MISSING = object()
 
 
-def _problem_key(problem: dict) -> tuple:
+def problem_key(problem: dict) -> tuple:
     # A problem without `group` has static head counts (Variant.group).
     return tuple(sorted(dict({"group": 0}, **problem).items()))
 
@@ -106,7 +106,7 @@ class VariantSelection:
         are finite (plan.stale_rows_finite)."""
         return self._remembered(
             "select",
-            (_problem_key(problem), seqlen_q, batch, bool(stale_rows_finite), merge, bool(skips_masked)),
+            (problem_key(problem), seqlen_q, batch, bool(stale_rows_finite), merge, bool(skips_masked)),
             lambda: self._select(problem, seqlen_q, batch, stale_rows_finite, merge, skips_masked),
         )
 
@@ -170,7 +170,7 @@ class VariantSelection:
         split-KV decode is kept within one launch of it (0: no such tile)."""
         if self.compile_missing:
             return GPU_DECODE_TILES[-1][0]
-        return self._remembered("batch_limit", (_problem_key(problem),), lambda: self._decode_batch_limit(problem))
+        return self._remembered("batch_limit", (problem_key(problem),), lambda: self._decode_batch_limit(problem))
 
     def _decode_batch_limit(self, problem: dict) -> int:
         formulation = self.formulation_for(problem, True)
@@ -192,7 +192,7 @@ class VariantSelection:
             return ()
         if self.compile_missing:
             return MERGE_SPLITS
-        return self._remembered("merges", (_problem_key(problem),), lambda: self._merge_splits_for(problem))
+        return self._remembered("merges", (problem_key(problem),), lambda: self._merge_splits_for(problem))
 
     def _merge_splits_for(self, problem: dict) -> tuple:
         return tuple(
@@ -219,7 +219,7 @@ class VariantSelection:
         """The listed variants that can serve a call of `problem`: those of
         its head counts, then those reading head counts at run time for its
         GQA group, then for any group; each of its page size, then of any."""
-        return self._remembered("served", (_problem_key(problem),), lambda: self._scan(problem))
+        return self._remembered("served", (problem_key(problem),), lambda: self._scan(problem))
 
     def _scan(self, problem: dict) -> tuple:
         keys = [problem]
@@ -228,7 +228,7 @@ class VariantSelection:
         if problem["page_block_size"]:
             keys += [any_page(k) for k in keys]
         group = group_of(problem)
-        return tuple(v for k in keys for v in self._by_problem.get(_problem_key(k), []) if v.serves_group(group))
+        return tuple(v for k in keys for v in self._by_problem.get(problem_key(k), []) if v.serves_group(group))
 
     def formulation_for(self, problem: dict, decode: bool = False) -> str:
         """The session's formulation, unless the online one cannot serve the
@@ -237,7 +237,7 @@ class VariantSelection:
         while an explicit one is built (the default sets' variants for any
         head counts): then the explicit one."""
         return self._remembered(
-            "formulation", (_problem_key(problem), bool(decode)), lambda: self._formulation(problem, decode)
+            "formulation", (problem_key(problem), bool(decode)), lambda: self._formulation(problem, decode)
         )
 
     def _formulation(self, problem: dict, decode: bool) -> str:

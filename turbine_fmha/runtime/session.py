@@ -40,10 +40,10 @@ from ..kernels.append_kernel import AppendKernel
 from ..kernels.signature import KERNEL_ABI
 from ..kernels.variants import Variant, parse_kernel
 from .interop import DeviceInterop
-from .invoke import _Loaded, host_array, wait_all
+from .invoke import Loaded, host_array, wait_all
 from .paths import default_artifact_dir, default_cache_dir, default_compile_missing
 from .plan_cache import PlanCache
-from .selection import VariantSelection, _problem_key
+from .selection import VariantSelection, problem_key
 
 # The CUDA device's allocators ($TURBINE_FMHA_CUDA_ALLOCATORS, "" for none).
 # The default pools device buffers freed by calls
@@ -165,7 +165,7 @@ class Session(VariantSelection, DeviceInterop):
         self.compute_units = compute_units or (cpu_threads() if device == "cpu" else DEFAULT_COMPUTE_UNITS[device])
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self._lock = threading.RLock()
-        self._loaded: dict[str, _Loaded] = {}
+        self._loaded: dict[str, Loaded] = {}
         self._tls = threading.local()
         self._executor = None
         self._config = None
@@ -227,7 +227,7 @@ class Session(VariantSelection, DeviceInterop):
             elif a["variant"] not in self._index:
                 self._index[a["variant"]] = dict(a, _dir=str(directory))
                 if isinstance(variant, Variant):
-                    self._by_problem.setdefault(_problem_key(variant.problem), []).append(variant)
+                    self._by_problem.setdefault(problem_key(variant.problem), []).append(variant)
         self._variants_changed()
 
     def available_variants(self) -> list[Variant]:
@@ -249,7 +249,7 @@ class Session(VariantSelection, DeviceInterop):
                 self._config = _shared_config(self.target.driver, self.ordinal, self.device_name)
             return self._config
 
-    def _load(self, variant: Variant) -> _Loaded:
+    def _load(self, variant: Variant) -> Loaded:
         name = variant.name
         with self._lock:
             hit = self._loaded.get(name)
@@ -286,12 +286,12 @@ class Session(VariantSelection, DeviceInterop):
             )
         build(self.cache_dir, [self.target.name], [variant])
         if self._index.pop(variant.name, None) is not None and isinstance(variant, Variant):
-            self._by_problem[_problem_key(variant.problem)].remove(variant)
+            self._by_problem[problem_key(variant.problem)].remove(variant)
         self._variants_changed()
         self._read_manifest(self.cache_dir)
         return self._index[variant.name]
 
-    def _load_entry(self, variant: Variant, entry: dict) -> _Loaded:
+    def _load_entry(self, variant: Variant, entry: dict) -> Loaded:
         import iree.runtime as rt
 
         from ..build.artifacts import verify_artifact
@@ -307,7 +307,7 @@ class Session(VariantSelection, DeviceInterop):
                 except Exception as e:  # the runtime's own message says what is wrong
                     raise ArtifactError(f"cannot load {path}: {e}") from None
                 _MODULES[key] = vm_module
-        loaded = _Loaded(variant, vm_module, config, spin=self.target.driver != "local-task")
+        loaded = Loaded(variant, vm_module, config, spin=self.target.driver != "local-task")
         try:
             _ = loaded.function  # resolve the entry point now: a bad module fails here
         except Exception as e:
@@ -542,7 +542,7 @@ def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
                 # "cuda://N" / "hip://N": the N-th device the GPU runtime
                 # enumerates (cuDeviceGet / hipDeviceGet), torch's cuda:N.
                 # GPU 0 keeps the bare driver name (its default device, the
-                # same GPU), the URI every H200 measurement so far opened.
+                # same GPU), the URI that the GPU runs in docs/devlog opened.
                 uri = f"{driver}://{ordinal}" if ordinal else driver
                 try:
                     device = hal_driver.create_device_by_uri(uri, allocators=specs or None)
