@@ -4,6 +4,9 @@ outputs and garbage in unused block-table slots."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import os
 import secrets
 import time
@@ -11,31 +14,78 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tolerances import LSE_TOL, OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.core.arrays import np_dtype
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 CACHE = Path(os.environ.get("TURBINE_FMHA_TEST_CACHE", Path(__file__).resolve().parent.parent / "build" / "test-cache"))
-# The host kernels the suite's sessions compile on demand into CACHE, built
+TESTS = Path(__file__).resolve().parent
+# The host kernels the tests' sessions compile on demand into CACHE, built
 # together before the first test, in parallel: one by one, as tests meet
-# them, they were most of a fresh suite's time. A kernel missing from the
-# list is still compiled when a test needs it; a stale name is skipped.
-# TURBINE_FMHA_RECORD_KERNELS=1 rewrites the list from CACHE at the end of
-# a run (do it on a fresh cache, with the whole suite).
-KERNELS = Path(__file__).resolve().parent / "kernels.txt"
+# them, they were most of a fresh suite's time. kernels.json holds them per
+# test file ("files": path under tests/ -> names) and all together ("all"):
+# a run prebuilds the union of its selected files' lists, or "all" if any
+# selected file has none. A kernel missing from a list is still compiled
+# when a test needs it, and a stale name is skipped: a stale list costs
+# time, never a wrong result.
+#
+# TURBINE_FMHA_RECORD_KERNELS=1 rewrites it from the run (nothing is
+# prebuilt then): each file that ran all of its tests gets the kernels they
+# had built into CACHE, through aot.build in this process (on-demand
+# compiles included, whether the kernel was in CACHE already or not) or
+# newly listed in CACHE's manifest while they ran (subprocesses: on a fresh
+# cache only). Only a run of every test file rewrites "all" (what a
+# whole run needs, and no more). So one file can be recorded alone:
+#   TURBINE_FMHA_RECORD_KERNELS=1 pytest tests/test_cli.py
+# and everything, best on a fresh cache:
+#   TURBINE_FMHA_TEST_CACHE=$(mktemp -d) TURBINE_FMHA_RECORD_KERNELS=1 pytest tests
+KERNELS = TESTS / "kernels.json"
+RECORD = os.environ.get("TURBINE_FMHA_RECORD_KERNELS") == "1"
 
 
-def pytest_sessionstart(session):
+def _test_file(path) -> str:
+    """A test file's key in kernels.json: its path under tests/."""
+    p = Path(path).resolve()
+    return p.relative_to(TESTS).as_posix() if p.is_relative_to(TESTS) else str(p)
+
+
+def _read_kernels() -> dict:
+    try:
+        table = json.loads(KERNELS.read_text())
+    except FileNotFoundError:
+        table = {}
+    return {"all": table.get("all", []), "files": table.get("files", {})}
+
+
+def pytest_configure(config):
+    if RECORD:
+        config.pluginmanager.register(_KernelRecorder(), "turbine_fmha_kernel_recorder")
+
+
+def pytest_collection_finish(session):
+    """Prebuilds the kernels of the selected tests' files (the selection is
+    known only once collection is done)."""
+    if RECORD or session.config.option.collectonly or not session.items:
+        return
     from turbine_fmha.build import aot
     from turbine_fmha.kernels.variants import parse_kernel
 
+    table = _read_kernels()
+    files = {_test_file(item.path) for item in session.items}
+    if files <= table["files"].keys():
+        names = sorted(set().union(*(table["files"][f] for f in files)))
+    else:
+        names = table["all"]
     kernels = []
-    for name in KERNELS.read_text().split():
+    for name in names:
         try:
             kernels.append(parse_kernel(name))
         except ValueError:
-            print(f"tests/kernels.txt: skipping {name} (no longer a kernel name)")
+            print(f"tests/kernels.json: skipping {name} (no longer a kernel name)")
+    if not kernels:
+        return
     t0 = time.perf_counter()
     results = aot.build(CACHE, ["host"], kernels, jobs=os.cpu_count())
     compiled = sum(r.rebuilt for r in results)
@@ -46,13 +96,94 @@ def pytest_sessionstart(session):
         )
 
 
-def pytest_sessionfinish(session):
-    if os.environ.get("TURBINE_FMHA_RECORD_KERNELS") == "1":
-        import json
+class _KernelRecorder:
+    """TURBINE_FMHA_RECORD_KERNELS=1: which test file needs which host
+    kernels in CACHE (see KERNELS)."""
 
-        m = json.loads((CACHE / "manifest.json").read_text())
-        names = sorted({a["variant"] for a in m["artifacts"] if a["target"] == "host"})
-        KERNELS.write_text("\n".join(names) + "\n")
+    def __init__(self):
+        self.current = None  # the test file whose test, or collection, runs
+        self.used: dict[str | None, set[str]] = {}
+        self.items: dict[str, int] = {}  # collected tests per file, deselected ones included
+        self.ran: dict[str, int] = {}
+        self.modules: set[str] = set()
+        self.manifest = (None, set())  # CACHE's manifest: (stat, host names)
+        self._look()
+        self.used.clear()  # what CACHE held before the run
+        from turbine_fmha.build import aot
+
+        build = aot.build
+
+        @functools.wraps(build)
+        def recording_build(out, targets, variants=None, **kw):
+            results = build(out, targets, variants, **kw)
+            if Path(out).resolve() == CACHE.resolve():
+                self.used.setdefault(self.current, set()).update(r.variant for r in results if r.target == "host")
+            return results
+
+        aot.build = recording_build
+
+    def _look(self):
+        """Attributes host kernels new in CACHE's manifest (e.g. compiled by
+        a subprocess) to the current file."""
+        path = CACHE / "manifest.json"
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        stat = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stat == self.manifest[0]:
+            return
+        try:
+            names = {a["variant"] for a in json.loads(path.read_text())["artifacts"] if a["target"] == "host"}
+        except (OSError, ValueError, KeyError):
+            return
+        self.used.setdefault(self.current, set()).update(names - self.manifest[1])
+        self.manifest = (stat, names)
+
+    @contextlib.contextmanager
+    def _in(self, path):
+        self._look()
+        self.current = _test_file(path)
+        try:
+            yield
+        finally:
+            self._look()
+            self.current = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector):
+        if not isinstance(collector, pytest.Module):
+            return (yield)
+        self.modules.add(_test_file(collector.path))
+        with self._in(collector.path):
+            return (yield)
+
+    def pytest_itemcollected(self, item):
+        f = _test_file(item.path)
+        self.items[f] = self.items.get(f, 0) + 1
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        f = _test_file(item.path)
+        self.ran[f] = self.ran.get(f, 0) + 1
+        with self._in(item.path):
+            return (yield)
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            return
+        self._look()
+        table = _read_kernels()
+        done = {f for f, n in self.items.items() if self.ran.get(f) == n}
+        for f in done:
+            table["files"][f] = sorted(self.used.get(f, ()))
+        table["files"] = {f: v for f, v in table["files"].items() if (TESTS / f).is_file()}
+        every = {_test_file(p) for p in TESTS.rglob("test_*.py")}
+        if every <= self.modules and done == set(self.items):
+            table["all"] = sorted(set().union(*self.used.values()))
+        KERNELS.write_text(
+            json.dumps({"all": table["all"], "files": dict(sorted(table["files"].items()))}, indent=1) + "\n"
+        )
 
 
 class _TrapSession(turbine_fmha.Session):
@@ -133,19 +264,6 @@ def make_problem(
     v_cache[spare] = np.nan
     q = rng.standard_normal((batch, seqlen_q, nhead_q, hdim)).astype(dt)
     return q, k_cache, v_cache, block_table, np.array(seqlens_k, np.int32)
-
-
-# Output error bound: max |out - ref| / max |ref|. Inputs are exact in the
-# input dtype, the kernels accumulate in f32, and the unnormalized
-# probabilities P and the output are rounded to the input dtype once each:
-# f16 (11-bit mantissa) 2 x 2^-11 ~ 1e-3 worst case, bound 5e-3; bf16 (8-bit)
-# 2 x 2^-8 ~ 8e-3, bound 2e-2; f32 only summation-order rounding, bound 1e-5.
-OUT_TOL = {"f16": 5e-3, "bf16": 2e-2, "f32": 1e-5}
-# LSE absolute bound: the online (GPU) formulation folds scale*log2(e) into Q
-# in the input dtype, so scores carry one input-dtype rounding (|s| <~ 5 here):
-# f16 5 x 2^-11 ~ 2.5e-3, bf16 5 x 2^-8 ~ 2e-2. f32 and the explicit
-# formulation's f32 scores are far tighter.
-LSE_TOL = {"f16": 5e-3, "bf16": 3e-2, "f32": 1e-4}
 
 
 def run_and_check(session, problem, *, dtype, **kw):

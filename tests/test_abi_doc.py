@@ -21,7 +21,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem
+from conftest import CACHE, make_problem
+from tolerances import LSE_TOL, OUT_TOL
 
 from turbine_fmha.build import aot
 from turbine_fmha.calls.mask import MaskSpec
@@ -32,7 +33,7 @@ from turbine_fmha.testing.reference import fmha_fwd_paged_ref, visible_mask
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "abi.md"
 MARK = re.compile(r"<!-- abi: ([\w.]+) -->\n")
-# Prebuilt (tests/kernels.txt). f32, so that one key more or less than the
+# Prebuilt (tests/kernels.json). f32, so that one key more or less than the
 # rule says is far outside the tolerance.
 MASKED = {
     "none": "pagedkv_fwd_f32_d64x64_g2_pg16_nmask_lse_explicit",

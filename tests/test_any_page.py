@@ -13,8 +13,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import CACHE, OUT_TOL, make_problem, run_and_check
+from conftest import CACHE, make_problem, run_and_check
 from test_runtime_heads import _Listing
+from tolerances import OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.build import aot as tfb

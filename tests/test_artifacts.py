@@ -1,4 +1,4 @@
-"""Artifact directories (issue items 9-14): reproducible builds, concurrent
+"""Artifact directories: reproducible builds, concurrent
 builders, interrupted builds, file modes, malformed manifests, and pinning
 the manifest's digest. Built from append kernels (about 0.6 s a compile);
 the attention variants (SLOW) are only ever started, never finished."""

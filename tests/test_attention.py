@@ -1,4 +1,4 @@
-"""PagedAttention: plan once per batch step, run per layer (issue 13).
+"""PagedAttention: plan once per batch step, run per layer.
 
 Every run is checked against the float64 reference on fresh random caches
 (one pair per "layer", the same tables), with garbage in unused table
@@ -11,7 +11,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import LSE_TOL, OUT_TOL, _TrapSession, make_problem
+from conftest import _TrapSession, make_problem
+from tolerances import LSE_TOL, OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros

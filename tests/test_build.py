@@ -214,7 +214,7 @@ def test_unreadable_manifest(tmp_path):
 
 def test_compile_error_fails_build(tmp_path, monkeypatch):
     # A template that does not verify must fail the build and leave no vmfb.
-    monkeypatch.setattr(tfb, "_compile_one", lambda *a: (_ for _ in ()).throw(RuntimeError("error: boom")))
+    monkeypatch.setattr(tfb, "compile_one", lambda *a: (_ for _ in ()).throw(RuntimeError("error: boom")))
     with pytest.raises(RuntimeError, match="1 of 1 compiles failed"):
         tfb.build(tmp_path, ["host"], SMALL[:1])
     assert not list(tmp_path.rglob("*.vmfb"))
@@ -228,8 +228,8 @@ def test_compiles_that_fill_the_cores_run_single_threaded(tmp_path, monkeypatch)
     from turbine_fmha.build import compiler
 
     commands = []
-    run = compiler._Compilers.run
-    monkeypatch.setattr(compiler._Compilers, "run", lambda self, cmd, cwd: commands.append(cmd) or run(self, cmd, cwd))
+    run = compiler.Compilers.run
+    monkeypatch.setattr(compiler.Compilers, "run", lambda self, cmd, cwd: commands.append(cmd) or run(self, cmd, cwd))
     monkeypatch.setattr(tfb.os, "cpu_count", lambda: 2)
     tfb.build(tmp_path / "parallel", ["host"], SMALL, jobs=2)
     assert len(commands) == 2 and all("--mlir-disable-threading" in c for c in commands)
@@ -428,14 +428,14 @@ def test_cuda_compile_falls_back_to_iree_configuration(tmp_path, monkeypatch):
 
     v = online_variant(Variant("f16", 64, 64, 4, 2, 16).problem, 8, 1)
     mlir, cuda = render_variant(v), targets.TARGETS["cuda"]
-    _, report, _ = compiler._compile_one(mlir, v.name, tmp_path / "tuned.vmfb", cuda)
+    _, report, _ = compiler.compile_one(mlir, v.name, tmp_path / "tuned.vmfb", cuda)
     assert report["attention_config"].startswith("tuned")
     blob = (tmp_path / "tuned.vmfb").read_bytes()
     assert f"{v.name}.mlir".encode() in blob
     assert b"configured/" not in blob and b"tuned/" not in blob
 
     monkeypatch.setattr(tuning, "tune_configured", lambda text: text.replace("workgroup = [", "workgroup = [oops, "))
-    _, report, _ = compiler._compile_one(mlir, v.name, tmp_path / "default.vmfb", cuda)
+    _, report, _ = compiler.compile_one(mlir, v.name, tmp_path / "default.vmfb", cuda)
     assert report["attention_config"] == "IREE default (tuned configuration failed to compile)"
     assert (tmp_path / "default.vmfb").stat().st_size > 0
 

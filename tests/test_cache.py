@@ -1,4 +1,4 @@
-"""PagedKVCache (issue 6): allocation, appends across page boundaries,
+"""PagedKVCache: allocation, appends across page boundaries,
 fork with copy-on-write of a shared last page, free and reuse, running out
 of pages without corrupting anything, concurrent appends, and attention
 over the cache's block tables against the float64 reference. Every check
@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 from test_modes import _check
+from tolerances import OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.api.cache import CacheFullError, PagedKVCache
@@ -217,7 +218,7 @@ def _assert_state(cache, seqs, before):
 
 
 def test_a_freed_request_cannot_poison_the_next(online_session, rng):
-    """Issue 12 item 1: request A stores a V row that is +Inf in the f16
+    """Request A stores a V row that is +Inf in the f16
     pool (float32 7e4, cast by the caller: appends refuse other dtypes),
     then finishes; request B reuses its page, whose stale rows still hold
     A's +Inf. The cache once judged finiteness from the caller's float32
@@ -240,14 +241,14 @@ def test_a_freed_request_cannot_poison_the_next(online_session, rng):
     kb, vb = cache.gather(b)
     ref, _ = fmha_fwd_paged_ref(q, kb[None], vb[None], np.zeros((1, 1), np.int32), np.array([3], np.int32))
     assert np.isfinite(out).all(), "another request's data changed this output"
-    assert np.abs(out.astype(np.float64) - ref).max() <= 5e-3 * np.abs(ref).max()  # conftest OUT_TOL f16
+    assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
     # Once B's own rows cover A's, the pool is finite again.
     cache.append(b, *(t.astype(np.float16) for t in _tokens(rng, 13)))
     assert cache.values_finite
 
 
 def test_append_failures_change_nothing(explicit_session, rng):
-    """Issue 12 item 8: an append that fails (an uncastable K, or the device
+    """An append that fails (an uncastable K, or the device
     write itself) leaves pages, lengths and both pools as they were."""
     cache = PagedKVCache(6, 4, HK, D, "f32", session=explicit_session)
     a = cache.allocate()
@@ -279,7 +280,7 @@ def test_append_failures_change_nothing(explicit_session, rng):
 
 
 def test_append_takes_torch_and_refuses_other_dtypes(explicit_session, rng):
-    """Issue 15 item 3: torch rows (bf16 included) are appended as given;
+    """Torch rows (bf16 included) are appended as given;
     a dtype other than the pool's is refused by name instead of being
     cast, and changes nothing."""
     import ml_dtypes
@@ -355,13 +356,13 @@ def test_pool_of_torch_memory_is_written_by_torch(explicit_session, rng, monkeyp
     import torch
 
     from turbine_fmha.api import cache as cache_mod
-    from turbine_fmha.core.arrays import _np_torch_dtype
+    from turbine_fmha.core.arrays import np_torch_dtype
 
     s = explicit_session
     monkeypatch.setattr(
         s,
         "device_zeros",
-        lambda shape, dt: s.import_torch(torch.zeros(shape, dtype=_np_torch_dtype(dt))),
+        lambda shape, dt: s.import_torch(torch.zeros(shape, dtype=np_torch_dtype(dt))),
         raising=False,
     )
     calls = []
@@ -376,7 +377,7 @@ def test_pool_of_torch_memory_is_written_by_torch(explicit_session, rng, monkeyp
 
     def as_torch(a):
         bits = torch.from_numpy(a.view(np.int8) if a.dtype.itemsize == 1 else a)
-        return bits.view(_np_torch_dtype(a.dtype))
+        return bits.view(np_torch_dtype(a.dtype))
 
     a, b = cache.allocate(), cache.allocate()
     rec = {a: [], b: []}
@@ -424,20 +425,20 @@ def test_torch_writes_mark_exactly_the_nonfinite_rows(explicit_session, monkeypa
     import torch
 
     from turbine_fmha.api import cache as cache_mod
-    from turbine_fmha.core.arrays import _np_torch_dtype, _torch_np_dtype
+    from turbine_fmha.core.arrays import np_torch_dtype, torch_np_dtype
 
     s = explicit_session
     monkeypatch.setattr(
         s,
         "device_zeros",
-        lambda shape, dt: s.import_torch(torch.zeros(shape, dtype=_np_torch_dtype(dt))),
+        lambda shape, dt: s.import_torch(torch.zeros(shape, dtype=np_torch_dtype(dt))),
         raising=False,
     )
     monkeypatch.setattr(cache_mod, "_INDEX_CACHE", cache_mod.collections.OrderedDict())
     tdt = getattr(torch, dtype)
     big = torch.finfo(tdt).max
     pools = [
-        PagedKVCache(6, 4, HK, D, _torch_np_dtype(tdt), session=s, host_mirror=False, kv_layout=kv_layout)
+        PagedKVCache(6, 4, HK, D, torch_np_dtype(tdt), session=s, host_mirror=False, kv_layout=kv_layout)
         for _ in range(2)
     ]
     seqs = [[p.allocate() for _ in range(2)] for p in pools]
@@ -456,7 +457,7 @@ def test_torch_writes_mark_exactly_the_nonfinite_rows(explicit_session, monkeypa
             np.testing.assert_array_equal(got_k.astype(np.float32), k[j].float().numpy())
             np.testing.assert_array_equal(got_v.astype(np.float32), v[j].float().numpy())
     for bad in (float("nan"), float("inf"), -float("inf")):
-        pool = PagedKVCache(6, 4, HK, D, _torch_np_dtype(tdt), session=s, host_mirror=False, kv_layout=kv_layout)
+        pool = PagedKVCache(6, 4, HK, D, torch_np_dtype(tdt), session=s, host_mirror=False, kv_layout=kv_layout)
         a, b = pool.allocate(), pool.allocate()
         v = torch.ones((2, 3, HK, D), dtype=tdt)
         v[1, 2, HK - 1, D - 1] = bad  # b's last row

@@ -1,7 +1,7 @@
-"""One session, many threads (issue 6): concurrent calls give exactly the
+"""One session, many threads: concurrent calls give exactly the
 results of the same calls made one after another, and the async entry point
 returns futures of the same results. Each thread runs its own VM context
-(runtime._Loaded), so the calls really overlap."""
+(runtime.Loaded), so the calls really overlap."""
 
 from __future__ import annotations
 

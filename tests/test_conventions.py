@@ -1,4 +1,4 @@
-"""Issue 15 item 4: the spellings users know from flash-attn (causal=True,
+"""The spellings users know from flash-attn (causal=True,
 softmax_scale, window_size=(left, right), cache_seqlens) and
 turbine_fmha.flash_attn.flash_attn_with_kvcache, against the float64
 reference on fresh random inputs (garbage in unused block-table slots, NaN
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LSE_TOL, OUT_TOL, make_problem, run_and_check
+from conftest import make_problem, run_and_check
 from test_kv_write import _check_rotated, _rope
+from tolerances import LSE_TOL, OUT_TOL
 
 import turbine_fmha
 from turbine_fmha import flash_attn_with_kvcache

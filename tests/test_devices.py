@@ -14,7 +14,7 @@ import pytest
 
 import turbine_fmha
 import turbine_fmha.runtime.session as session_mod
-from turbine_fmha.core.arrays import _check_tensor_devices
+from turbine_fmha.core.arrays import check_tensor_devices
 from turbine_fmha.core.devices import device_name, parse_device
 
 GOOD = [
@@ -131,16 +131,16 @@ def test_tensors_only_on_the_sessions_gpu():
     torch = pytest.importorskip("torch")
     host = torch.zeros(2)
     for where in ("cpu", "cuda", "cuda:1", "hip:2"):
-        _check_tensor_devices(where, q=host, k_cache=np.zeros(2))
+        check_tensor_devices(where, q=host, k_cache=np.zeros(2))
     with pytest.raises(
         ValueError,
         match=r"k_cache is a torch tensor on meta, but the session runs on 'cuda:1': pass it in host memory or cuda:1",
     ):
-        _check_tensor_devices("cuda:1", q=host, k_cache=host.to("meta"))
+        check_tensor_devices("cuda:1", q=host, k_cache=host.to("meta"))
     with pytest.raises(ValueError, match=r"on meta, but the session runs on 'hip:2': pass it in host memory or cuda:2"):
-        _check_tensor_devices("hip:2", q=host.to("meta"))
+        check_tensor_devices("hip:2", q=host.to("meta"))
     with pytest.raises(ValueError, match="device"):
-        _check_tensor_devices("tpu", q=host)
+        check_tensor_devices("tpu", q=host)
 
 
 def _calls_with_a_session_only():

@@ -1,4 +1,4 @@
-"""Environment variables are checked like arguments (issue 25 items 7, 8):
+"""Environment variables are checked like arguments:
 a value that is set but invalid raises an error naming the variable, in
 Python and through the command line, where every error names its flag or
 variable; unset or empty means the default."""

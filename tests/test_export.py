@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 aot = pytest.importorskip("iree.turbine.aot")
 
 import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import _numpy_to_torch  # noqa: E402
+from turbine_fmha.core.arrays import numpy_to_torch  # noqa: E402
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def _compiled(module, example, dynamic):
     if dynamic is True:
         b, np_, w = torch.export.Dim("batch"), torch.export.Dim("pages"), torch.export.Dim("width")
         dims = [{0: b}, {0: np_}, {0: np_}, {0: b, 1: w}, {0: b}] + [None] * (len(example) - 5)
-    exported = aot.export(module, args=tuple(_numpy_to_torch(a) for a in example), dynamic_shapes=dims)
+    exported = aot.export(module, args=tuple(numpy_to_torch(a) for a in example), dynamic_shapes=dims)
     return _host_main(str(exported.mlir_module))
 
 
@@ -320,7 +320,7 @@ def test_exported_online_decode_with_static_batch(rng, batch):
             prob = (prob[0], np.nan_to_num(prob[1]), np.nan_to_num(prob[2]), *prob[3:])
         module = Attention(kv_rows_finite=finite, causal=not finite)
         with turbine_fmha.export_options(formulation="online"):
-            exported = aot.export(module, args=tuple(_numpy_to_torch(a) for a in prob))
+            exported = aot.export(module, args=tuple(numpy_to_torch(a) for a in prob))
         text = str(exported.mlir_module)
         tile = decode_batch_tile(batch)
         assert f"_nmask_lse_online_b{tile}_q1_{'nvguard_' if finite else ''}m" in text
@@ -349,7 +349,7 @@ def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
     pages, width = torch.export.Dim("pages"), torch.export.Dim("width")
     dims = [None, {0: pages}, {0: pages}, {1: width}, None]
     with turbine_fmha.export_options(formulation="online", num_splits=splits):
-        exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob), dynamic_shapes=dims)
+        exported = aot.export(Attention(causal=True), args=tuple(numpy_to_torch(a) for a in prob), dynamic_shapes=dims)
     text = str(exported.mlir_module)
     assert f"_nmask_lse_online_b{tile}_q1_m16_x{splits}" in text and "_explicit" not in text
     main = _host_main(text)
@@ -372,7 +372,7 @@ def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
     shape = dict(dtype="f16", seqlen_q=rows, nhead_q=4, nhead_k=2, hdim=32, page=16)
     prob = make_problem(rng, batch=len(seqlens), seqlens_k=seqlens, extra_slots=2, **shape)
     with turbine_fmha.export_options(formulation="online"):
-        exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob))
+        exported = aot.export(Attention(causal=True), args=tuple(numpy_to_torch(a) for a in prob))
     text = str(exported.mlir_module)
     assert f"_mbr_lse_online_b1_q{tile}" in text and "_explicit" not in text
     main = _host_main(text)
@@ -399,5 +399,5 @@ def test_online_export_refuses_what_it_does_not_take():
     prob = make_problem(np.random.default_rng(0), batch=2, seqlens_k=[8, 20], **shape)
     with turbine_fmha.export_options(formulation="online", num_splits=4):
         with pytest.raises(NotImplementedError, match="splits decodes"):
-            aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in prob), strict_export=False)
+            aot.export(Attention(causal=True), args=tuple(numpy_to_torch(a) for a in prob), strict_export=False)
     assert "_explicit" in str(aot.export(Attention(), args=_example()).mlir_module)  # the block ended

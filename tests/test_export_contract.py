@@ -20,7 +20,8 @@ import re
 
 import numpy as np
 import pytest
-from conftest import OUT_TOL, make_problem
+from conftest import make_problem
+from tolerances import OUT_TOL
 
 torch = pytest.importorskip("torch")
 aot = pytest.importorskip("iree.turbine.aot")
@@ -28,7 +29,7 @@ aot = pytest.importorskip("iree.turbine.aot")
 from test_export import Attention, KVCacheAttention, _compiled, _host_main  # noqa: E402
 
 import turbine_fmha  # noqa: E402
-from turbine_fmha.core.arrays import _numpy_to_torch  # noqa: E402
+from turbine_fmha.core.arrays import numpy_to_torch  # noqa: E402
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
 
 SHAPE = dict(dtype="f16", seqlen_q=1, nhead_q=4, nhead_k=2, hdim=32, page=16)
@@ -217,7 +218,7 @@ def test_online_decode_cuts_a_bad_slot_too(rng):
     used slot cuts its sequence as in the explicit one."""
     q, k, v, bt, sk = make_problem(rng, batch=3, seqlens_k=[40, 50, 17], extra_slots=0, **SHAPE)
     with turbine_fmha.export_options(formulation="online"):
-        exported = aot.export(Attention(causal=True), args=tuple(_numpy_to_torch(a) for a in (q, k, v, bt, sk)))
+        exported = aot.export(Attention(causal=True), args=tuple(numpy_to_torch(a) for a in (q, k, v, bt, sk)))
     main = _host_main(str(exported.mlir_module))
     bt[1, 1] = -5
     cut = sk.copy()
@@ -260,7 +261,7 @@ def test_guarded_programs_compile_for_the_gpus(rng, backend, flag):
     t = torch.export.Dim("tokens")
     rows = tuple(torch.zeros(3, 2, 8, dtype=torch.float16) for _ in range(2))
     write = aot.export(Write(k0, k0, "NHD"), args=(*rows, torch.arange(3)), dynamic_shapes=[{0: t}, {0: t}, {0: t}])
-    prob = tuple(_numpy_to_torch(a) for a in make_problem(rng, batch=3, seqlens_k=[40, 9, 17], **SHAPE))
+    prob = tuple(numpy_to_torch(a) for a in make_problem(rng, batch=3, seqlens_k=[40, 9, 17], **SHAPE))
     b, p, w = torch.export.Dim("batch"), torch.export.Dim("pages"), torch.export.Dim("width")
     explicit = aot.export(
         Attention(causal=True), args=prob, dynamic_shapes=[{0: b}, {0: p}, {0: p}, {0: b, 1: w}, {0: b}]

@@ -1,8 +1,8 @@
-"""fp8 KV cache (issue 4): fp16/bf16 queries over an fp8 paged cache with
+"""fp8 KV cache: fp16/bf16 queries over an fp8 paged cache with
 per-tensor descales, every fp8 format the targets use, against the float64
 reference computed on the dequantized cache (k_scale * K_fp8): the kernel's
 only extra error source is its own fp16/bf16 rounding, so the tolerances of
-conftest.py apply unchanged."""
+tolerances.py apply unchanged."""
 
 from __future__ import annotations
 

@@ -451,7 +451,7 @@ def test_fixed_pool_raises_when_full():
 
 @pytest.mark.parametrize("device_pool", [False, True])
 def test_a_step_costs_one_write_per_layer_whatever_the_batch(explicit_session, counted, monkeypatch, device_pool):
-    """Issue 27: the prompt forward and each decode step of a batch of 6
+    """The prompt forward and each decode step of a batch of 6
     write each layer's new K/V with one call (one append-kernel call for a
     device pool), build the block tables once (the plan every layer runs)
     and read back from the device at most once, for the step's finiteness

@@ -16,9 +16,10 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem
+from conftest import CACHE, make_problem
 from test_modes import _check, _group_problem
 from test_runtime_heads import _features
+from tolerances import LSE_TOL, OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.api.cache import aligned_zeros

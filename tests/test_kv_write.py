@@ -1,4 +1,4 @@
-"""reshape_and_cache (issue 15 item 3): K/V rows written in place into the
+"""reshape_and_cache: K/V rows written in place into the
 caller's caches (numpy, torch, IREE DeviceArrays; NHD and HND; every cache
 dtype) by the AOT append kernel, vLLM's slot mapping with -1 skipping a
 token, and ck_tile appendkv's rotary embedding of the new K rows and of q.

@@ -1,4 +1,4 @@
-"""Offsets past 2^31 elements (issue 7): a K pool of more than 2^31 f16
+"""Offsets past 2^31 elements: a K pool of more than 2^31 f16
 elements, with the sequences' pages at its very end, read through the
 block table. 32-bit element offsets would wrap there. The pool is 64-byte
 aligned (PagedKVCache's allocation), so the CPU session reads it in place:

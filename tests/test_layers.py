@@ -1,4 +1,4 @@
-"""The package's layers (issue 26): every import inside turbine_fmha, at
+"""The package's layers: every import inside turbine_fmha, at
 module level or inside a function, points to its own layer or a lower one,
 and no modules import each other in a circle. The runtime layers import
 no compiler, torch or transformers at module level: the runtime works

@@ -1,4 +1,4 @@
-"""10,000 calls on one session from 4 threads (issue 7): every result
+"""10,000 calls on one session from 4 threads: every result
 equals the serial result for its problem, and resident memory stays flat
 (a leak of one output per call would add ~6 MB here, of one cache copy per
 call ~200 MB)."""

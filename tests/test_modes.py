@@ -1,4 +1,4 @@
-"""ck_tile input modes (issue 4): group (varlen) mode with mixed decode and
+"""ck_tile input modes: group (varlen) mode with mixed decode and
 prefill sequences, gappy paged KV, non-paged KV cache with cache_batch_idx,
 skip_min_seqlen_q, and head dims (hdim_q != hdim_v included), on both
 formulations, against the float64 reference. Fresh random inputs (seed
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LSE_TOL, OUT_TOL, np_dtype
+from conftest import np_dtype
+from tolerances import LSE_TOL, OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref

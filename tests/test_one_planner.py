@@ -27,7 +27,7 @@ import turbine_fmha  # noqa: E402
 from turbine_fmha.api import exported  # noqa: E402
 from turbine_fmha.calls.planner import make_plan  # noqa: E402
 from turbine_fmha.calls.problem import from_arrays  # noqa: E402
-from turbine_fmha.core.arrays import _numpy_to_torch  # noqa: E402
+from turbine_fmha.core.arrays import numpy_to_torch  # noqa: E402
 from turbine_fmha.runtime.executor import Executor, Results  # noqa: E402
 from turbine_fmha.runtime.selection import Catalog  # noqa: E402
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref  # noqa: E402
@@ -91,7 +91,7 @@ def test_eager_and_exported_run_one_plan(rng, monkeypatch, case):
     monkeypatch.setattr(exported, "_RECORD", record)
     options = dict(formulation=formulation, num_splits=splits) if formulation == "online" else {}
     with turbine_fmha.export_options(**options):
-        program = aot.export(_Attention(**mask), args=tuple(_numpy_to_torch(a) for a in (q, k, v, bt, sk)))
+        program = aot.export(_Attention(**mask), args=tuple(numpy_to_torch(a) for a in (q, k, v, bt, sk)))
     ((exported_variant, exported_steps),) = record
     assert exported_variant == variant
     eager_steps = runner.device_steps(0, variant, Results(session))

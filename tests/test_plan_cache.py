@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import OUT_TOL, make_problem
+from conftest import make_problem
+from tolerances import OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.runtime.plan_cache import PLAN_CACHE_SIZE, call_key

@@ -1,4 +1,4 @@
-"""The example service loop (examples/serve_decode.py, issue 6) on a small
+"""The example service loop (examples/serve_decode.py) on a small
 model: every step verified against the float64 reference inside the loop,
 and every page back in the pool at the end."""
 

@@ -1,4 +1,4 @@
-"""Split-KV decode and masked-block skipping (issue 5), against the float64
+"""Split-KV decode and masked-block skipping, against the float64
 reference on fresh random inputs.
 
 Split-KV runs each sequence's keys as several runs of pages and merges the

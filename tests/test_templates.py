@@ -6,7 +6,7 @@ representative subset: both formulations, every score term and bias
 shape, every mask, the layouts, fp8 caches and static quantization, run-
 time heads, group padding, split-KV merges (of one count and of any), no
 V guard, and the append kernels. It was recorded before the score terms
-became hooks (issue 26), when the full sets (host, GPU, append, the tests'
+became hooks, when the full sets (host, GPU, append, the tests'
 variants and a covering sweep, 3,266 kernels) rendered byte-identical
 too. A template change that alters one of these kernels must change its
 digest here, on purpose.

@@ -1,4 +1,4 @@
-"""Issue 15 item 2: torch.ops.turbine_fmha, and the public functions
+"""torch.ops.turbine_fmha, and the public functions
 compiled with torch.compile(fullgraph=True) on the CPU (where they route
 through the ops), against the float64 reference on fresh random inputs
 with garbage in unused block-table slots and NaN-poisoned outputs.
@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import CACHE, LSE_TOL, OUT_TOL, make_problem  # noqa: E402
+from conftest import CACHE, make_problem  # noqa: E402
+from tolerances import LSE_TOL, OUT_TOL  # noqa: E402
 
 import turbine_fmha  # noqa: E402
 from turbine_fmha import flash_attn_with_kvcache  # noqa: E402
@@ -297,7 +298,7 @@ def test_session_handles(tmp_path, rng):
     assert torch_ops._session(hb) is b
 
 
-# -- issue 25: KV writes, errors and recompiles under torch.compile -----------
+# -- KV writes, errors and recompiles under torch.compile --------------------
 
 
 def _dense_caches(rng, batch_cache, rows, heads, hdim):

@@ -63,7 +63,7 @@ BAD = {
     "return_lse_int": (lambda p: (*p[:5], dict(return_lse=1)), TypeError, ["return_lse"]),
     "device": (lambda p: (*p[:5], dict(device="tpu")), ValueError, ["device"]),
     "q_list": (lambda p: (p[0].tolist(), *p[1:]), TypeError, ["q", "numpy"]),
-    # Issue 12: each of these used to pass validation and then fail (or
+    # Each of these used to pass validation and then fail (or
     # give NaN) later.
     "nhead_q_zero": (lambda p: (p[0][:, :, :0], *p[1:]), ValueError, ["nhead_q"]),
     "scale_overflows_f32": (lambda p: (*p[:5], dict(scale=1e39)), ValueError, ["scale", "float32"]),
@@ -153,7 +153,7 @@ def test_tensor_on_wrong_device(trap, rng, arg):
     """A torch tensor on a device that is not the session's (here: "meta",
     which holds no data, for a "cpu" session) is refused by name, not
     copied; on a CUDA machine a cuda:0 tensor for a "cpu" session takes the
-    same branch (arrays._check_tensor_devices)."""
+    same branch (arrays.check_tensor_devices)."""
     torch = pytest.importorskip("torch")
     q, k, v, bt, sk = _good(rng)
     args = dict(q=q, k_cache=k, v_cache=v, block_table=bt, seqlen_k=sk, bias=np.zeros((1, 1, 3, 32), np.float32))
@@ -223,7 +223,7 @@ def test_torch_out_overlapping_a_torch_cache(trap, rng):
 
 
 def test_windows_and_sinks_past_int32_are_unbounded(explicit_session, rng):
-    """Issue 12 item 4: window sides and sink counts of 2^31 and more raised
+    """Window sides and sink counts of 2^31 and more raised
     OverflowError deep in the planner; they reach past every key, so they
     mean what any window that large means (the reference takes them as
     they are, ALiBi's non-causal form included)."""
@@ -257,7 +257,7 @@ def test_negative_and_zero_alibi_slopes(explicit_session, rng):
 
 
 def test_torch_tensor_subclasses_are_tensors(explicit_session, rng):
-    """Issue 12 item 7: subclasses of torch.Tensor were refused ("got
+    """Subclasses of torch.Tensor were refused ("got
     MyT") because the check compared class names."""
     torch = pytest.importorskip("torch")
 
