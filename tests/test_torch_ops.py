@@ -506,3 +506,25 @@ def test_every_op_refuses_requires_grad_before_running(explicit_session, rng):
             result = call()
         results = result if isinstance(result, tuple) else (result,)
         assert not any(r.requires_grad for r in results)
+
+
+def test_a_compiled_call_is_not_an_export(monkeypatch):
+    """torch 2.11's dynamo answers torch.compiler.is_exporting() with True
+    under torch.compile (docs/repro/README.md, "is_exporting under
+    torch.compile"); made to answer so here, a compiled call must still see
+    no export (the flag torch.export sets decides), and an export one."""
+    from turbine_fmha.core import tracing
+
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+
+    def routed(x):
+        return x + (1 if tracing.exporting() else 2)
+
+    assert torch.compile(routed, fullgraph=True, backend="eager")(torch.zeros(1)).item() == 2
+
+    class Exported(torch.nn.Module):
+        def forward(self, x):
+            return routed(x)
+
+    program = torch.export.export(Exported(), (torch.zeros(1),))
+    assert program.module()(torch.zeros(1)).item() == 1

@@ -457,3 +457,23 @@ def test_deferred_check_without_a_guarded_kernel(online_session, deferring, rng,
         _, lse = attn.run(q, k, v, out=out, return_lse=True)
         assert deferring == [unguarded]
         _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+
+
+def test_device_array_caches_after_a_nonfinite_cache_was_seen(online_session, rng, monkeypatch):
+    """A V cache once found non-finite is remembered process-wide
+    (executor.NONFINITE_SEEN); a later call on IREE device arrays whose
+    rows need no check (kv_rows_finite=True) must not look up their memory
+    there: device arrays have no byte range."""
+    from turbine_fmha.runtime import executor
+
+    monkeypatch.setattr(executor, "NONFINITE_SEEN", {("cuda:0", (0, 64)): True})
+    lens = [17, 40]
+    q, k, v, bt, sk = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=lens, nhead_q=8, nhead_k=2, hdim=64, page=16
+    )
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    attn = _decode_plan(online_session, bt, sk, k, kv_rows_finite=True)
+    kd, vd = (online_session.device_array(x) for x in (k, v))
+    out, lse = attn.run(q, kd, vd, return_lse=True)
+    _check(out, lse, *fmha_fwd_paged_ref(q, k, v, bt, sk), "f16")
+    assert executor.NONFINITE_SEEN == {("cuda:0", (0, 64)): True}

@@ -29,7 +29,14 @@ def exporting() -> bool:
     call: the public functions then emit their kernels into the program
     (api/exported.py)."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_exporting()
+    if torch is None:
+        return False
+    # The flag torch.export sets, read as a global (dynamo reads it as it
+    # is): torch 2.11's dynamo answers torch.compiler.is_exporting() with
+    # True under torch.compile too, which sent compiled calls to the
+    # exported route (docs/repro/README.md, "is_exporting under torch.compile").
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 def untraced(fn):

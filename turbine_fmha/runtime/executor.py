@@ -150,7 +150,9 @@ class Results:
 
 
 def _memory_of(v_cache) -> tuple:
-    """Where a V cache's memory is (NONFINITE_SEEN's key)."""
+    """Where a V cache's memory is (NONFINITE_SEEN's key), for a cache
+    whose check is deferred (Executor._defers): IREE device arrays have no
+    byte range."""
     a = v_cache.tensor if isinstance(v_cache, TorchDeviceCache) else v_cache
     return array_device(a), byte_range(a)
 
@@ -252,7 +254,7 @@ class Executor:
         v_src = v_cache if not is_torch(v_cache) else vc
         parts = [i for i, pt in enumerate(self.parts) if pt.rows]
         finite = [self._rows_finite(i, v_src, defer=True) for i in parts]
-        if NONFINITE_SEEN and all(f is True for f in finite):
+        if NONFINITE_SEEN and self._defers(v_src) and all(f is True for f in finite):
             # Checked before the kernels and finite in every part: deferred
             # from now on. (One part's finite rows say nothing of another's.)
             NONFINITE_SEEN.pop(_memory_of(v_src), None)
