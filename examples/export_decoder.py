@@ -475,7 +475,7 @@ def main() -> int:
         )
         if where == "cuda":
             # torch's cuDNN attention builds a plan per new key length
-            # (benchmarks/probes/h200_sdpa_lengths.py): HF sdpa without it
+            # (docs/devlog/benchmarks-history.md, h200_sdpa_lengths): HF sdpa without it
             # is HF at its best in generation.
             torch.backends.cuda.enable_cudnn_sdp(False)
             fig["decode_hf_sdpa_no_cudnn_ms"] = _hf_step_ms(sdpa, on, args.new_tokens, DynamicCache)

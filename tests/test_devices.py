@@ -4,7 +4,7 @@ the machine lacks refused by name before any device work, and torch
 tensors accepted only on the session's own GPU. This machine has no GPU:
 the IREE driver is replaced by one that reports GPUs and opens CPU
 devices, which checks the routing (which ordinal opens which device, what
-is refused when); benchmarks/probes/h200_devices.py makes the same calls
+is refused when); tests/gpu/test_gpu_devices.py makes the same calls
 on real GPUs (not yet run: see its entry in benchmarks/probes/README.md)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torch tensors in, torch tensors out (CPU). With q on the session's own
 device the results are made there by torch from DLPack views of the
 kernels' buffers (executor.Results): these tests run that path on the CPU, the
-same code that keeps CUDA results on the GPU (benchmarks/probes/h200_torch_interop.py
+same code that keeps CUDA results on the GPU (tests/gpu/test_gpu_interop.py
 checks it there)."""
 
 import numpy as np

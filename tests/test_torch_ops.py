@@ -2,7 +2,7 @@
 compiled with torch.compile(fullgraph=True) on the CPU (where they route
 through the ops), against the float64 reference on fresh random inputs
 with garbage in unused block-table slots and NaN-poisoned outputs.
-benchmarks/probes/h200_torch_compile.py runs the same on CUDA."""
+tests/gpu/test_gpu_torch_compile.py runs the same on CUDA."""
 
 from __future__ import annotations
 

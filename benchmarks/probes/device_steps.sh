@@ -1,4 +1,4 @@
-# Sourced by the device-machine scripts (h200_pending.sh, h200_verify.sh):
+# Sourced by benchmarks/probes/h200_verify.sh on the device machine:
 # installs the carried IREE runtime wheels, then defines run(), which logs
 # one step to $OUTDIR/<name>.log; a failed step does not stop the others,
 # it sets status=1 for the script's exit.

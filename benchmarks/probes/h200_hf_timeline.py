@@ -51,7 +51,7 @@ PHASES = [
     (api_attention._Plan, "_arrays", "    _arrays"),
     (core_arrays, "torch_writes_done", "    torch stream sync"),
     (rt_session.Session, "run_variants", "    run_variants"),
-    (invoke._Loaded, "enqueue", "      enqueue"),
+    (invoke.Loaded, "enqueue", "      enqueue"),
     (rt_session, "wait_all", "      wait_all"),
 ]
 

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The H200 verification of the code as it stands (issue 27 target 6), in
-# two parts that each fit one device command (10 minutes):
-#   rows: as_called.py's default rows and the windowed rows, every output
-#         checked against float32 SDPA, each timed as called beside torch
-#         gather+SDPA; then the mixed continuous-batching step;
+# The performance runs behind docs/benchmarks.md's GPU table, in two parts
+# that each fit one device command (10 minutes):
+#   rows: as_called.py's default rows and the windowed rows, each timed as
+#         called beside torch gather+SDPA (every output also checked
+#         against float32 SDPA); then the mixed continuous-batching step;
 #   hf:   as_called.py --hf-only: the Hugging Face model's decode steps and
 #         prompt forwards against HF sdpa, generate beside HF's dynamic
-#         cache (tokens compared), the static cache not compiled; then
-#         sinks given to run() against the float64 reference
-#         (h200_run_sinks.py, its kernels built into build/sinks-cuda).
-# Prepare here as benchmarks/probes/h200_pending.sh's header says (.whl,
-# artifacts-cuda; `h200_run_sinks.py --build` for build/sinks-cuda); on the
-# H200 (device tool, carry [".whl", "artifacts-cuda", "build/sinks-cuda"]):
+#         cache (tokens compared), the static cache not compiled.
+# The GPU's correctness tests are tests/gpu (tests/gpu/README.md).
+# Prepare here (no GPU needed): the cp312 runtime wheels in .whl/, as the
+# device tool's README says (echo /.whl/ >> .git/info/exclude first):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl iree-base-runtime==3.13.0 ml_dtypes==0.6.0
+#   .venv/bin/python benchmarks/build_cuda_subset.py --artifacts artifacts-cuda
+# On the GPU (device tool, carry [".whl", "artifacts-cuda"]):
 #   bash benchmarks/probes/h200_verify.sh rows|hf
 set -uo pipefail
 part=${1:?usage: h200_verify.sh rows|hf}
@@ -29,7 +32,6 @@ rows)
 hf)
     run as_called_hf_cuda python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --rounds 5 \
         --hf-only --hf-static-no-compile --json "$OUTDIR/as_called_hf_cuda.json"
-    run h200_run_sinks python3 benchmarks/probes/h200_run_sinks.py --device cuda --dir build/sinks-cuda
     ;;
 *)
     echo "unknown part $part" >&2

@@ -73,14 +73,14 @@ def main() -> int:
         for name in args.targets.split(","):
             target = targets.TARGETS[name]
             for v in VARIANTS:
-                _, report, _ = compiler._compile_one(kernels.render_variant(parse_kernel(v)), v, out, target)
+                _, report, _ = compiler.compile_one(kernels.render_variant(parse_kernel(v)), v, out, target)
                 rows.append(_row(name, v, report))
             for tag, extra in (
                 ("IREE config", ()),
                 ("IREE tuning specs", ("--iree-codegen-enable-default-tuning-specs",)),
             ):
                 t = dataclasses.replace(target, flags=tuple(target.flags) + extra)
-                _, report, _ = compiler._compile_one(roof.mlir(), roof.NAME, out, t)
+                _, report, _ = compiler.compile_one(roof.mlir(), roof.NAME, out, t)
                 rows.append(_row(name, f"roof: static attention 32x4096x4096x128 f16 ({tag})", report))
             for r in rows[-len(VARIANTS) - 2 :]:
                 print(json.dumps(r), flush=True)

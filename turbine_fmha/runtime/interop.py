@@ -176,7 +176,7 @@ class DeviceInterop:
         """New torch tensors on this session's device holding copies of
         DeviceArrays, made by IREE queue copies into the tensors' memory
         (imported through DLPack), waited for once before returning.
-        Verified on CUDA (benchmarks/probes/h200_torch_interop.py); the CPU driver
+        Verified on CUDA (tests/gpu/test_gpu_interop.py); the CPU driver
         never needs it (it exports) and refuses queue copies into imported
         torch memory."""
         import torch

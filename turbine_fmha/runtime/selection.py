@@ -56,7 +56,7 @@ class VariantSelection:
     Every answer depends only on the arguments and the listed variants, so
     each is computed once per session and variant list: a decode step of a
     model plans once and asks the same questions every step, and scanning
-    the list took most of a plan's host time (benchmarks/probes/h200_hf_profile.py)."""
+    the list took most of a plan's host time (docs/devlog/perf-notes.md, "Performance as called")."""
 
     def _variants_changed(self) -> None:
         self._memo = {}
