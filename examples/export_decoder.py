@@ -64,7 +64,7 @@ def small_llama(seed: int, layers: int = 2) -> LlamaForCausalLM:
 
 
 # The model shapes --model picks. "bench" is the model of benchmarks/as_called.py
-# --hf (issue 27's Hugging Face rows): 32/8 heads of 128, hidden 4096.
+# --hf (the as-called Hugging Face rows): 32/8 heads of 128, hidden 4096.
 MODELS = {
     "small": dict(vocab=256, hidden=256, intermediate=512, heads=8, kv_heads=2, head_dim=32, init=0.2),
     "bench": dict(vocab=1024, hidden=4096, intermediate=1024, heads=32, kv_heads=8, head_dim=128, init=0.02),

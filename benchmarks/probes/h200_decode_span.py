@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where a short decode call's time goes on the H200: the host's enqueue,
-the kernels, or the gaps between them (issue 14, b1 x 32k).
+the kernels, or the gaps between them (b1 x 32k).
 
 For each decode shape (GQA 32/8, hdim 128, page 16, f16, tables planned
 once, all arguments already on the device) this times N calls queued back

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-dispatch device times of planned decode calls on the H200 (issue 14).
+"""Per-dispatch device times of planned decode calls on the H200.
 
 torch.profiler's CUDA activity (CUPTI) records IREE's kernels as well as
 torch's, so a PagedAttention.run() on torch CUDA tensors shows each
@@ -174,7 +174,7 @@ def mixed_batch(session, rng, calls: int) -> None:
     """Continuous batching: 2 prefills of 512 rows and 30 decodes over 2048
     keys in one group-mode call, against the prefills alone (group mode)
     plus the decodes alone (batch mode), each planned once and run back to
-    back (issue 14's target: at most 1.3x the sum)."""
+    back (the target was at most 1.3x the sum)."""
     import torch
 
     import turbine_fmha

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Long decodes at several merged split counts on the H200 (issue 14).
+"""Long decodes at several merged split counts on the H200.
 
 For each shape and split count (num_splits; merged in the module where
 the artifacts hold that count, guarded and not), the call is verified against the float64 reference, and run() is timed back to back

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 29's run: two GPUs of one machine (the device tool's
+"""The two-GPU run: two GPUs of one machine (the device tool's
 `nvidia-h200-x2`), one process and two.
 
 One process, a Session per GPU, each with its own paged caches as torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per key step ISA of the ROCm attention kernels, read statically (issue 14).
+"""Per key step ISA of the ROCm attention kernels, read statically.
 
 No AMD GPU exists here: this compiles the default prefill and decode
 artifacts for gfx942 and gfx950 and reads one iteration of each attention

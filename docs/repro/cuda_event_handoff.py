@@ -1,7 +1,7 @@
 """IREE 3.13's CUDA driver, no compiled module: can a semaphore's timepoint
 cross to another CUDA stream (torch's) without the host waiting?
 
-Issue 27 target 1 wants a GPU run() that returns once its work is queued,
+The as-called target 1 wanted a GPU run() that returns once its work is queued,
 torch's later work on the results ordered after it on the device. That
 takes a timepoint IREE can export as a CUDA event (torch's stream waits on
 it) or import from one (IREE waits on torch's work). Each step prints its
