@@ -11,8 +11,8 @@ What is decided at export time is planned by the eager call's planner
 (dtype, head counts, head dims, page size, page layout, mask, score
 terms, tiles, splits), the launches and their scalars. Batch, page count
 and table width stay dynamic where the export declares them so (with a
-dynamic batch or row count the program is one launch over the whole
-call). The kernel is the
+dynamic batch or row count, or the explicit kernel's dynamic width, the
+program is one launch over the whole call). The kernel is the
 explicit formulation, which every target compiles, or under
 export_options(formulation="online") the GPUs' online kernel for a static
 batch and row count (docs/user-guide.md, "Inside exported programs";
@@ -208,10 +208,10 @@ def _plan(batch, rows, width, sizes: dict, terms: dict, options: dict) -> tuple:
     names after the caches, whether it takes sinks, the split count, the
     steps or None, the first step's fparams and iparams), or ("error",
     exception name, message). The steps (b0, b1, s, e, tile, width, merge,
-    seqlen_q, fparams, iparams) are the program's launches where the batch
-    and rows are static (a dynamic table width: planned as one column, so
-    no step is cut for its width); otherwise the program is one launch of
-    the planned variant over the whole call. Dynamo calls it once while tracing, on
+    seqlen_q, fparams, iparams) are the program's launches where they pay
+    (_launches_pay; a dynamic table width is planned as one column, so no
+    step is cut for it); otherwise the program is one launch of the planned
+    variant over the whole call. Dynamo calls it once while tracing, on
     constants (it runs numpy, which dynamo does not trace)."""
     formulation, splits = options["formulation"], options["num_splits"]
     if formulation == "online" and (batch is None or rows is None):
@@ -246,7 +246,7 @@ def _plan(batch, rows, width, sizes: dict, terms: dict, options: dict) -> tuple:
         return ("error", "NotImplementedError", f"export_options(formulation='online'): {why}")
     steps = part_steps(part, variant)
     if _RECORD is not None:
-        _RECORD.append((variant, steps if None not in (batch, rows) else None))
+        _RECORD.append((variant, steps if _launches_pay(batch, rows, width, formulation) else None))
     names = tuple(a for a in call_args(variant) if a not in PER_RUN_ARGS)
     at = {n: i for i, n in enumerate(names)}
     launches = tuple(
@@ -260,9 +260,17 @@ def _plan(batch, rows, width, sizes: dict, terms: dict, options: dict) -> tuple:
         tuple(fwd_attrs(variant).values()),
         bool(variant.sinks),
         part.splits,
-        launches if None not in (batch, rows) else None,
+        launches if _launches_pay(batch, rows, width, formulation) else None,
         launches[0][8:10],
     )
+
+
+def _launches_pay(batch, rows, width, formulation: str) -> bool:
+    """Whether the program runs the planned steps, not one launch over the
+    whole call: it can with a static batch and row count; the online
+    kernels' static tiles need them; the explicit kernel's row chunks pay
+    only where their tables are cut, which needs a static width."""
+    return None not in (batch, rows) and (formulation == "online" or width is not None)
 
 
 # A list while a test records what each exported call planned: (variant,
