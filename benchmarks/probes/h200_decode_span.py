@@ -92,7 +92,7 @@ def main() -> int:
     from h200_dispatch_profile import decode_problem
 
     import turbine_fmha
-    from turbine_fmha.core.arrays import _Results
+    from turbine_fmha.runtime.executor import Results as _Results
 
     for f in args.flag:
         rt.flags.parse_flags(f)
@@ -122,14 +122,14 @@ def main() -> int:
             kv_rows_finite=True,
         )
         plan = attn._plan
-        if plan.splits > max(1, plan.merge):
+        if plan.parts[0].host_split:
             print(f"decode b{batch} x {keys}: split-KV merged on the host, skipped")
             continue
-        variant = plan._variant(True)
+        variant = plan.variant(0, True)
         results = _Results(session, q)
-        st = plan._device_steps(variant, results)[0]
+        st = plan.device_steps(0, variant, results)[0]
         loaded = session._load(variant)
-        qb = st.q(plan._batch_q(q, results))  # q as the tile takes it (padded rows)
+        qb = st.q(plan._batch_q(0, q, results))  # q as the tile takes it (padded rows)
         fargs = [session.import_torch(x.contiguous()) for x in (qb, k, v)] + st.args
         last = []
 
@@ -164,7 +164,7 @@ def main() -> int:
             t_busy, t_idle, t_n = kernel_timeline(gather_sdpa, torch.cuda.synchronize, 50)
         run_ms = statistics.median(_timed_runs(attn, q, k, v, 100))
         print(
-            f"decode b{batch} x {keys} ({plan.splits} splits, {variant.name}), {args.rounds} interleaved rounds "
+            f"decode b{batch} x {keys} ({plan.parts[0].splits} splits, {variant.name}), {args.rounds} interleaved rounds "
             f"of {args.calls} calls, ms per call (median [min-max]); enqueue loop alone:"
         )
         for name in rounds:
@@ -189,16 +189,16 @@ def _prefill(session, rng, rounds: int, calls: int = 10) -> None:
     unchained, back to back."""
     from h200_dispatch_profile import prefill_problem
 
-    from turbine_fmha.core.arrays import _Results
+    from turbine_fmha.runtime.executor import Results as _Results
 
     rows = 4096
     attn, q, k, v = prefill_problem(session, rng, rows, PAGE)
     plan = attn._plan
-    variant = plan._variant(True)
+    variant = plan.variant(0, True)
     results = _Results(session, q)
-    steps = plan._device_steps(variant, results)
+    steps = plan.device_steps(0, variant, results)
     loaded = session._load(variant)
-    qb = plan._batch_q(q.detach(), results)
+    qb = plan._batch_q(0, q.detach(), results)
     kv = [session.import_torch(x) for x in (k, v)]
     arg_lists = [[session.import_torch(st.q(qb).contiguous()), *kv, *st.args] for st in steps]
     last = []

@@ -145,7 +145,7 @@ def main() -> int:
         kv_gbs = batch * keys * HK * D * 2 * (1 if kv else 2) / (call_ms * 1e-3) / 1e9
         print(
             f"decode b{batch} x {keys}{' ' + kv if kv else ''}: run() back to back {call_ms:.3f} ms ({kv_gbs:.0f} GB/s of KV), "
-            f"splits {attn._plan.splits}, {variant.name}"
+            f"splits {attn._plan.parts[0].splits}, {variant.name}"
         )
         for name, us in sorted(per.items(), key=lambda x: -x[1]):
             print(f"    {us:8.1f} us  {name[:110]}")
@@ -166,7 +166,7 @@ def prefill_pages(session, rng, calls: int = 10) -> None:
         tflops = 4.0 * HQ * D * visible / (ms * 1e-3) / 1e12
         print(
             f"prefill 4096 causal, page {page}: run() back to back {ms:.3f} ms = {tflops:.1f} TFLOP/s "
-            f"(visible), {attn._plan._variant(True).name}"
+            f"(visible), {attn._plan.variant(0, True).name}"
         )
 
 

@@ -30,10 +30,10 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import turbine_fmha
-from turbine_fmha.api import attention as api_attention
 from turbine_fmha.api import cache as api_cache
 from turbine_fmha.core import arrays as core_arrays
 from turbine_fmha.integrations import transformers as fmha_hf
+from turbine_fmha.runtime import executor as rt_executor
 from turbine_fmha.runtime import invoke
 from turbine_fmha.runtime import session as rt_session
 
@@ -47,8 +47,8 @@ PHASES = [
     (api_cache, "_nonfinite_flags", "    _nonfinite_flags"),
     (fmha_hf.PagedLayer, "attend", "attend"),
     (fmha_hf._Planner, "planned", "  planned (plan once a step)"),
-    (api_attention._Plan, "run", "  _Plan.run"),
-    (api_attention._Plan, "_arrays", "    _arrays"),
+    (rt_executor.Executor, "run", "  Executor.run"),
+    (rt_executor.Executor, "_arrays", "    _arrays"),
     (core_arrays, "torch_writes_done", "    torch stream sync"),
     (rt_session.Session, "run_variants", "    run_variants"),
     (invoke.Loaded, "enqueue", "      enqueue"),

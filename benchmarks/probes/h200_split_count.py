@@ -74,7 +74,7 @@ def main() -> int:
             err = float(np.abs(out.float().cpu().numpy() - ref).max() / np.abs(ref).max())
             ms = _back_to_back(lambda: attn.run(q, k, v), args.calls, warmup=10)
             per = dispatch_times(lambda: attn.run(q, k, v), args.calls)
-            name = part._variant(True).name
+            name = attn._plan.variant(0, True).name
             print(
                 f"  splits {part.splits} (merged {part.merge}): run() back to back {ms:.3f} ms, rel err {err:.1e} ({'ok' if err < 5e-3 else 'FAILED'}), "
                 f"{name}; dispatches {len(per)}, device sum {sum(per.values()):.1f} us"
