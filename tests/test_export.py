@@ -358,12 +358,12 @@ def test_exported_online_decode_in_merged_splits(rng, batch, splits, tile):
         _check(main, prob, "f16", mask_type="bottom_right", window_size_right=0)
 
 
-@pytest.mark.parametrize("rows, seqlens, tile", [(5, [5, 40, 17], 128), (1100, [1100, 1300], 128)])
+@pytest.mark.parametrize("rows, seqlens, tile", [(5, [5, 40, 17], 128), (200, [200, 260], 128)])
 def test_exported_online_prefill_bucket(rng, rows, seqlens, tile):
     """export_options(formulation="online") on a prefill of a static batch
     and row count (a bucket): per sequence, chunks of the one-sequence
     prefill tile the planner picks, as for the eager call (the least
-    padding: 5 rows are one padded chunk of 128; 1100 rows nine chunks, the
+    padding: 5 rows are one padded chunk of 128; 200 rows two chunks, the
     last padded, each starting at its first row and reading the table's
     columns up to its diagonal), causal with the bottom-right diagonal,
     sequences with keys cached before the rows among them. Against the
