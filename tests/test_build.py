@@ -378,6 +378,11 @@ def test_tuning_untiles_the_attention_head_dim():
     assert edited == text.replace("workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]")
     assert untile_head_dim(edited) is None  # already whole
     assert untile_head_dim("linalg.generic") is None
+    # Without a mask operand (static shapes need none) the output map comes
+    # one place earlier: it is still found.
+    unmasked = text.replace("affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, d4)>, ", "", 1)
+    assert unmasked != text
+    assert untile_head_dim(unmasked) == unmasked.replace("workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]")
 
 
 def test_tuning_edits_each_attention_executable_of_a_configured_module():

@@ -40,9 +40,11 @@ def untile_head_dim(configured: str) -> str | None:
     if not op:
         return None
     maps = [(dims.split(", "), res.split(", ")) for dims, res in _MAP.findall(op.group(1))]
-    if len(maps) < 6:
+    if len(maps) < 7:
         return None
-    (dims, q), (_, _), (_, v), _, _, (_, o) = maps[:6]
+    # Q, K, V, the scale, an optional mask, then acc, max and sum: the
+    # output is the third map from the end, with or without a mask.
+    (dims, q), (_, v), (_, o) = maps[0], maps[2], maps[-3]
     head = (set(o) & set(v)) - set(q)
     if len(head) != 1:
         return None
