@@ -21,6 +21,10 @@ CUDA_ASYNC_ALLOCATIONS = "TURBINE_FMHA_CUDA_ASYNC_ALLOCATIONS"
 # separated ("" for none).
 CUDA_ALLOCATORS = "TURBINE_FMHA_CUDA_ALLOCATORS"
 MLIR_DIR = "TURBINE_FMHA_MLIR_DIR"
+# "1" makes HIP sessions wait on the host around calls given torch tensors
+# (torch's stream synchronized before, IREE's fences after), as CUDA
+# sessions do, instead of the stream-ordered handoff (runtime/hip_handoff.py).
+HIP_HOST_WAIT = "TURBINE_FMHA_HIP_HOST_WAIT"
 
 
 def text(name: str) -> str | None:

@@ -45,6 +45,7 @@ from ..core.checks import check_out
 from ..core.tracing import check_no_grad
 from ..kernels.signature import call_args
 from ..kernels.variants import ENTRY_ROWS
+from . import hip_handoff
 
 # torch GPU caches an executor keeps bound (two per layer of a large model).
 MAX_BINDS = 512
@@ -111,10 +112,17 @@ class Results:
             ]
             for args in arg_lists
         ]
-        torch_writes_done(self.torch_device)
+        # On ROCm the calls and torch order each other on the device
+        # (hip_handoff); elsewhere torch's stream is waited for here and
+        # the calls on the host.
+        handoff = hip_handoff.begin(self.session, self.torch_device)
+        if handoff is None:
+            torch_writes_done(self.torch_device)
         return [
             self.session.to_torch(*r)
-            for r in self.session.run_variants(variant, arg_lists, on_device=True, outputs=outputs, while_queued=hook)
+            for r in self.session.run_variants(
+                variant, arg_lists, on_device=True, outputs=outputs, while_queued=hook, handoff=handoff
+            )
         ]
 
     def upload(self, arrays: list) -> list:

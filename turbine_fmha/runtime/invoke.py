@@ -45,6 +45,19 @@ class Loaded:
             t.timeline, t.value = (self.config.device.create_semaphore(0), 0) if t.fenced else (None, 0)
         return fn
 
+    @property
+    def fenced(self) -> bool:
+        """Whether the entry point takes a wait and a signal fence."""
+        _ = self.function
+        return self._tls.fenced
+
+    def next_value(self):
+        """(the thread's timeline, its next value), taken: a wait imported
+        onto the timeline (hip_handoff) holds that value."""
+        t = self._tls
+        t.value += 1
+        return t.timeline, t.value
+
     def __call__(self, *args):
         """All results of the entry point on `args` (see invoke)."""
         return self.invoke(list(args))
@@ -57,7 +70,7 @@ class Loaded:
         call.wait()
         return call.results(n_results)
 
-    def enqueue(self, args: list, after=None, own_timeline: bool = False) -> _Call:
+    def enqueue(self, args: list, after=None, own_timeline: bool = False, handoff=None) -> _Call:
         """Queues the entry point on `args` and returns at once (for
         artifacts built before EXECUTION_MODEL, after the work). Device
         arrays go straight to the VM (FunctionInvoker's packing and wrapping
@@ -70,7 +83,10 @@ class Loaded:
         returns only once `after` is done. `own_timeline`: signal a new
         semaphore rather than the thread's timeline, whose values must be
         signaled in order: calls queued together without naming each other
-        may finish in any order (a CPU's workers run them at once)."""
+        may finish in any order (a CPU's workers run them at once).
+        `handoff`: a hip_handoff.Handoff, whose fence of torch's work the
+        call waits on and which exports the call's signal before it is
+        queued."""
         import iree.runtime as rt
 
         fn, device, t = self.function, self.config.device, self._tls
@@ -81,7 +97,10 @@ class Loaded:
             arg_list.push_ref(a._buffer_view.ref)
         call = _Call(self, rt.VmVariantList(4))
         if t.fenced:
-            wait = after.done if after is not None and after.done is not None else rt.HalFence(1)
+            if handoff is not None:
+                wait = handoff.wait_fence(self)
+            else:
+                wait = after.done if after is not None and after.done is not None else rt.HalFence(1)
             arg_list.push_ref(wait.ref)
             if own_timeline:
                 call.timeline, call.value = device.create_semaphore(0), 1
@@ -91,8 +110,12 @@ class Loaded:
             call.done = rt.HalFence.create_at(call.timeline, call.value)
             arg_list.push_ref(call.done.ref)
         try:
+            if handoff is not None:
+                handoff.export(call)
             fn._vm_context.invoke(fn.vm_function, arg_list, call.ret_list)
         except Exception:
+            if handoff is not None:
+                handoff.not_queued(call)
             self._reset(call.timeline)
             raise
         return call
@@ -131,9 +154,22 @@ class _Call:
             self.loaded._reset(self.timeline)
             raise
 
+    def failed(self) -> Exception | None:
+        """The call's failure if IREE knows of it already, else None; never
+        waits. A failed timeline is replaced, as wait() does."""
+        if self.done is None:
+            return None
+        try:
+            self.timeline.query()
+        except Exception as e:
+            self.loaded._reset(self.timeline)
+            return e
+        return None
+
     def results(self, n: int | None = None) -> tuple:
         """The first n results (all by default) as DeviceArrays; valid once
-        wait() has returned."""
+        wait() has returned (or, handed back by a hip_handoff, on torch's
+        stream, after the stream waits for the call)."""
         import iree.runtime as rt
 
         device = self.loaded.config.device

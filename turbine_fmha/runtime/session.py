@@ -39,6 +39,7 @@ from ..core.tracing import untraced
 from ..kernels.append_kernel import AppendKernel
 from ..kernels.signature import KERNEL_ABI
 from ..kernels.variants import Variant, parse_kernel
+from . import hip_handoff
 from .interop import DeviceInterop
 from .invoke import Loaded, host_array, wait_all
 from .paths import default_artifact_dir, default_cache_dir, default_compile_missing
@@ -152,6 +153,8 @@ class Session(VariantSelection, DeviceInterop):
                 raise ValueError(
                     f"target {chosen.name!r} needs what this CPU ({host_cpu.this_cpu().arch}) lacks: {', '.join(lacks)}"
                 )
+        if device == "hip":
+            env.switch(env.HIP_HOST_WAIT)  # read (and refused if invalid) now, not at the first call
         if device != "cpu":
             _check_device(chosen.driver, self.ordinal, given)
         if formulation not in (None, "explicit", "online"):
@@ -370,28 +373,40 @@ class Session(VariantSelection, DeviceInterop):
         return self.run_variants(variant, [args], on_device=on_device, outputs=4 if stats else 2)[0]
 
     def run_variants(
-        self, variant: Variant, arg_lists, on_device: bool = False, outputs: int = 2, while_queued=None
+        self, variant: Variant, arg_lists, on_device: bool = False, outputs: int = 2, while_queued=None, handoff=None
     ) -> list:
         """The first `outputs` results of each call (out, lse, then the
         max and sum of stats) for each argument list, the calls queued back
         to back and waited for at the end (a chunked prefill's calls are
         independent). Results not asked for are never mapped or copied.
         `while_queued()`, if given, runs once the calls are queued and
-        before their wait: host work that the device's then hides."""
+        before their wait: host work that the device's then hides.
+        `handoff` (a hip_handoff.Handoff, with on_device): the calls wait
+        for torch's stream and torch's stream for them, on the device; the
+        results are handed back in flight, not waited for."""
         loaded = self._load(variant)
         self._tls.last_variant = variant
+        if handoff is not None and (not on_device or not loaded.fenced):
+            handoff = handoff.host_wait()
         # No call waits for the one before it: IREE's allocations would wait
         # on the host, idling the device meanwhile (docs/devlog/perf-notes.md).
-        calls = []
+        calls, queued = [], False
         try:
             for i, args in enumerate(arg_lists):
-                calls.append(loaded.enqueue(list(args), own_timeline=i > 0))
+                calls.append(loaded.enqueue(list(args), own_timeline=i > 0, handoff=handoff))
             if while_queued is not None:
                 while_queued()
+            queued = True
         finally:
-            # Every queued call is waited for, also when a later one could
-            # not be queued: they read their arguments' memory until done.
-            failure = wait_all(calls)
+            if handoff is not None and queued:
+                failure = handoff.finish(calls)
+            else:
+                # Every queued call is waited for, also when a later one
+                # could not be queued: they read their arguments' memory
+                # until done.
+                failure = wait_all(calls)
+                if handoff is not None:
+                    handoff.waited()
         if failure is not None:
             raise failure
         res = [c.results(outputs) for c in calls]
@@ -545,7 +560,16 @@ def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
                 # same GPU), the URI that the GPU runs in docs/devlog opened.
                 uri = f"{driver}://{ordinal}" if ordinal else driver
                 try:
-                    device = hal_driver.create_device_by_uri(uri, allocators=specs or None)
+                    # A HIP device runs on torch's stream where it can, so
+                    # that calls on that stream need no events
+                    # (hip_handoff).
+                    device = (
+                        hip_handoff.create_device(hal_driver, _driver_devices(driver)[ordinal], ordinal)
+                        if driver == "hip"
+                        else None
+                    )
+                    if device is None:
+                        device = hal_driver.create_device_by_uri(uri, allocators=specs or None)
                 except (RuntimeError, ValueError) as e:
                     with_specs = f" with allocators {specs} (${env.CUDA_ALLOCATORS})" if specs else ""
                     raise RuntimeError(f"cannot create the {driver} device {name!r}{with_specs}: {e}") from e
