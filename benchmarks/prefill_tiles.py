@@ -85,12 +85,18 @@ def parts(n: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.array([len(x) for x in lists], np.int64)
 
 
-def mlir(n: int, t: int, masked_prefix: bool, dyn_entries: bool, hm: bool = False, probe: str = "") -> str:
+def mlir(
+    n: int, t: int, masked_prefix: bool, dyn_entries: bool, hm: bool = False, probe: str = "", merge: str = "gather"
+) -> str:
     """The module; `hm` repacks K/V head-major ([HK, N, D]) and transposes
     q into head-major tiles ([N / T, HK, G, T, D]) once, so that each entry
     reads contiguous blocks; `probe` times a piece alone: "class<c>" (class
     c's attention only, returning its partial accumulators) or "nomerge"
-    (every class, returning the partials)."""
+    (every class, returning the partials). `merge`: "gather" (structured
+    reductions over gathered partials) or "extract" (one elementwise
+    generic reading each tile's partials through the index table), which
+    "extract_cfg" gives a hand-set GPU configuration (CUDA builds only:
+    MERGE_CONFIG)."""
     nt, np_ = n // t, n // PAGE
     npc = np_ + 64
     cls = classes(n, t)
@@ -282,6 +288,18 @@ def mlir(n: int, t: int, masked_prefix: bool, dyn_entries: bool, hm: bool = Fals
         a(f"  util.return {res} : {res_t}")
         return (
             f"module {{\nutil.func public @{NAME}({', '.join(params)}) -> {res_t} {{\n" + "\n".join(body) + "\n}\n}\n"
+        )
+    if merge == "loop":
+        _merge_loop(a, cur, nt, t, maxp, e_tot, pacc_t, pr_t)
+    if merge.startswith("extract"):
+        _merge_extract(a, cur, nt, t, maxp, e_tot, pacc_t, pr_t, MERGE_CONFIG if merge == "extract_cfg" else "")
+    if merge != "gather":
+        a(f"  %out = tensor.collapse_shape %o5 [[0, 1], [2, 3], [4]] : {tt(nt, t, HK, G, D)} into {tt(n, HQ, D)}")
+        a(f"  util.return %out : {tt(n, HQ, D)}")
+        return (
+            f"module {{\nutil.func public @{NAME}({', '.join(params)}) -> {tt(n, HQ, D)} {{\n"
+            + "\n".join(body)
+            + "\n}\n}\n"
         )
     # The merge, in base 2 (online_attention's running max is base 2), as
     # structured reductions over each tile's partials, gathered through
@@ -976,6 +994,121 @@ GRID = {
 # attention op's own rate for that shape, per layout.
 STATIC = {f"static_{lay}": (16, 128, 2048, lay) for lay in ("ours", "hm", "roof")}
 
+# A configuration for the extract merge (over (tile, row, KV head, group,
+# value dim)): IREE's own gives it 32-thread workgroups.
+MERGE_CONFIG = (
+    "compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_gpu.lowering_config<{"
+    "workgroup = [1, 2, 1, 4, 128], thread = [1, 1, 1, 1, 4]}>, translation_info = "
+    "#iree_codegen.translation_info<pipeline = #iree_gpu.pipeline<TileAndFuse> workgroup_size = [256, 1, 1] "
+    "subgroup_size = 32>>"
+)
+
+
+def _merge_extract(a, cur, nt, t, maxp, e_tot, pacc_t, pr_t, config: str) -> None:
+    """%o5 [NT, T, HK, G, D] f16: each tile's partials (the index table's
+    entries below e_tot; the rest weigh nothing) merged in base 2, read
+    through tensor.extract in one elementwise generic."""
+    tt = _tt
+    o5_t = tt(nt, t, HK, G, D)
+    idx_t = tt(nt, maxp, et="i64")
+    a(f"  %o5_e = tensor.empty() : {o5_t}")
+    cfg = f", {config}" if config else ""
+    a(
+        f"  %o5 = linalg.generic {{indexing_maps = [affine_map<(i, m, h, g, e) -> (i, m, h, g, e)>], "
+        f'iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]{cfg}}} outs(%o5_e : {o5_t}) {{'
+    )
+    a("  ^bb0(%o: f16):")
+    for k, d in enumerate("imhge"):
+        a(f"    %x{d} = linalg.index {k} : index")
+    a(f"    %top_init = arith.constant {MAX_START} : f32")
+    a("    %fz = arith.constant 0.0 : f32")
+    a(f"    %etot = arith.constant {e_tot} : i64")
+    a("    %i0 = arith.constant 0 : i64")
+    top = "%top_init"
+    for j in range(maxp):
+        a(f"    %cj{j} = arith.constant {j} : index")
+        a(f"    %ij{j}r = tensor.extract %pidx[%xi, %cj{j}] : {idx_t}")
+        a(f"    %ok{j} = arith.cmpi slt, %ij{j}r, %etot : i64")
+        a(f"    %ij{j}c = arith.select %ok{j}, %ij{j}r, %i0 : i64")
+        a(f"    %ij{j} = arith.index_cast %ij{j}c : i64 to index")
+        a(f"    %mj{j}r = tensor.extract {cur[1]}[%ij{j}, %xh, %xg, %xm] : {pr_t}")
+        a(f"    %mj{j} = arith.select %ok{j}, %mj{j}r, %top_init : f32")
+        a(f"    %top{j} = arith.maximumf {top}, %mj{j} : f32")
+        top = f"%top{j}"
+    lsum, asum = "%fz", "%fz"
+    for j in range(maxp):
+        a(f"    %d{j} = arith.subf %mj{j}, {top} : f32")
+        a(f"    %w{j}r = math.exp2 %d{j} : f32")
+        a(f"    %w{j} = arith.select %ok{j}, %w{j}r, %fz : f32")
+        a(f"    %sj{j} = tensor.extract {cur[2]}[%ij{j}, %xh, %xg, %xm] : {pr_t}")
+        a(f"    %aj{j} = tensor.extract {cur[0]}[%ij{j}, %xh, %xg, %xm, %xe] : {pacc_t}")
+        a(f"    %lw{j} = arith.mulf %sj{j}, %w{j} : f32")
+        a(f"    %l{j} = arith.addf {lsum}, %lw{j} : f32")
+        a(f"    %aw{j} = arith.mulf %aj{j}, %w{j} : f32")
+        a(f"    %a{j} = arith.addf {asum}, %aw{j} : f32")
+        lsum, asum = f"%l{j}", f"%a{j}"
+    a(f"    %res = arith.divf {asum}, {lsum} : f32")
+    a("    %res16 = arith.truncf %res : f32 to f16")
+    a("    linalg.yield %res16 : f16")
+    a(f"  }} -> {o5_t}")
+
+
+def _merge_loop(a, cur, nt, t, maxp, e_tot, pacc_t, pr_t) -> None:
+    """As _merge_extract, but each element loops over its tile's used
+    partials only (scf.for up to the first unused slot), reading nothing
+    for the others."""
+    tt = _tt
+    o5_t = tt(nt, t, HK, G, D)
+    idx_t = tt(nt, maxp, et="i64")
+    a(f"  %o5_e = tensor.empty() : {o5_t}")
+    a(
+        f"  %o5 = linalg.generic {{indexing_maps = [affine_map<(i, m, h, g, e) -> (i, m, h, g, e)>], "
+        f'iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel"]}} outs(%o5_e : {o5_t}) {{'
+    )
+    a("  ^bb0(%o: f16):")
+    for k, d in enumerate("imhge"):
+        a(f"    %x{d} = linalg.index {k} : index")
+    a(f"    %top_init = arith.constant {MAX_START} : f32")
+    a("    %fz = arith.constant 0.0 : f32")
+    a("    %z0 = arith.constant 0 : index")
+    a("    %z1 = arith.constant 1 : index")
+    a(f"    %cmax = arith.constant {maxp} : index")
+    a(f"    %etot = arith.constant {e_tot} : i64")
+    # The used slots come first: count them.
+    a("    %cnt = scf.for %j = %z0 to %cmax step %z1 iter_args(%n = %z0) -> (index) {")
+    a(f"      %ij = tensor.extract %pidx[%xi, %j] : {idx_t}")
+    a("      %ok = arith.cmpi slt, %ij, %etot : i64")
+    a("      %n1 = arith.addi %n, %z1 : index")
+    a("      %n2 = arith.select %ok, %n1, %n : index")
+    a("      scf.yield %n2 : index")
+    a("    }")
+    a("    %top = scf.for %j = %z0 to %cnt step %z1 iter_args(%tp = %top_init) -> (f32) {")
+    a(f"      %ijr = tensor.extract %pidx[%xi, %j] : {idx_t}")
+    a("      %ij = arith.index_cast %ijr : i64 to index")
+    a(f"      %mj = tensor.extract {cur[1]}[%ij, %xh, %xg, %xm] : {pr_t}")
+    a("      %t2 = arith.maximumf %tp, %mj : f32")
+    a("      scf.yield %t2 : f32")
+    a("    }")
+    a("    %la:2 = scf.for %j = %z0 to %cnt step %z1 iter_args(%l = %fz, %acc = %fz) -> (f32, f32) {")
+    a(f"      %ijr = tensor.extract %pidx[%xi, %j] : {idx_t}")
+    a("      %ij = arith.index_cast %ijr : i64 to index")
+    a(f"      %mj = tensor.extract {cur[1]}[%ij, %xh, %xg, %xm] : {pr_t}")
+    a(f"      %sj = tensor.extract {cur[2]}[%ij, %xh, %xg, %xm] : {pr_t}")
+    a(f"      %aj = tensor.extract {cur[0]}[%ij, %xh, %xg, %xm, %xe] : {pacc_t}")
+    a("      %d = arith.subf %mj, %top : f32")
+    a("      %w = math.exp2 %d : f32")
+    a("      %lw = arith.mulf %sj, %w : f32")
+    a("      %l2 = arith.addf %l, %lw : f32")
+    a("      %aw = arith.mulf %aj, %w : f32")
+    a("      %acc2 = arith.addf %acc, %aw : f32")
+    a("      scf.yield %l2, %acc2 : f32, f32")
+    a("    }")
+    a("    %res = arith.divf %la#1, %la#0 : f32")
+    a("    %res16 = arith.truncf %res : f32 to f16")
+    a("    linalg.yield %res16 : f16")
+    a(f"  }} -> {o5_t}")
+
+
 CONFIGS = {
     # name: (query tile, masked prefix, dynamic entry counts)
     "t128": (128, False, False),
@@ -984,6 +1117,9 @@ CONFIGS = {
     "t256": (256, False, False),
     "t128_hm": (128, False, False, True),
     "t128_hm_dyn": (128, False, True, True),
+    "t128_hm_x": (128, False, False, True, "", "extract"),
+    "t128_hm_xc": (128, False, False, True, "", "extract_cfg"),
+    "t128_hm_loop": (128, False, False, True, "", "loop"),
 }
 # The pieces of "t128" alone (timed, not checked).
 PROBES = {f"t128_class{c}": (128, False, False, False, f"class{c}") for c in range(6)} | {
@@ -1003,9 +1139,10 @@ def build(out: Path, n: int, targets: list[str], only: list[str]) -> None:
     for tag, cfg in (CONFIGS | PROBES).items():
         if only and tag not in only:
             continue
-        src = mlir(n, *cfg)
-        (out / f"{tag}.mlir").write_text(src)
+        (out / f"{tag}.mlir").write_text(mlir(n, *cfg))
         for target in targets:
+            # The hand-set merge configuration is a GPU one.
+            src = mlir(n, *(x if x != "extract_cfg" or target == "cuda" else "extract" for x in cfg))
             seconds, report, _ = compiler.compile_one(
                 src, NAME, (out / f"{tag}.{target}.vmfb").resolve(), tg.TARGETS[target]
             )
