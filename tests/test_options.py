@@ -305,3 +305,29 @@ def test_docstrings_list_every_argument(fn, front, omit):
         for o in omit:
             assert f"\n    {o}:" not in doc
         assert max(len(line) for line in options.describe(front).split("\n")) <= options.WIDTH
+
+
+def test_kv_write_and_flash_op_schemas_take_the_functions_defaults():
+    """The KV-write and flash-attn ops' scalars come from their public
+    functions' signatures: every keyword default there is the registered
+    schema's (window_size as its two sides), so a default changed in the
+    function reaches the op."""
+    torch = pytest.importorskip("torch")
+    import inspect
+
+    from turbine_fmha.api import flash_attn, kv_write, torch_ops  # noqa: F401 (registers the ops)
+
+    for fn, op in (
+        (kv_write.reshape_and_cache, torch.ops.turbine_fmha.reshape_and_cache.default),
+        (flash_attn.flash_attn_with_kvcache, torch.ops.turbine_fmha.flash_attn_with_kvcache.default),
+    ):
+        schema = {a.name: a for a in op._schema.arguments}
+        for name, p in inspect.signature(fn).parameters.items():
+            if p.default is p.empty or name in ("session", "return_softmax_lse"):
+                continue
+            if isinstance(p.default, tuple):
+                got = tuple(schema[f"{name}_{side}"].default_value for side in ("left", "right"))
+            else:
+                got = schema[name].default_value
+            assert got == p.default, (fn.__name__, name)
+        assert schema["session"].default_value == 0

@@ -220,15 +220,33 @@ _OPS = {
 
 # -- KV writes -------------------------------------------------------------
 
+# The schema types of the defaults the KV-write and flash-attn functions
+# declare; a default of None takes its (optional) type from the caller.
+_DEFAULT_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def _signature_scalars(fn, tensors: tuple, none_types: dict, skip: tuple = ()) -> tuple:
+    """(name, schema type, default) of `fn`'s keyword arguments that are
+    not tensors, in its order, with its own defaults: a pair default
+    (flash-attn's window_size) becomes `<name>_left` and `<name>_right`,
+    and `session`, last, crosses as its int handle (session_handle)."""
+    out = []
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in tensors or name in skip or name == "session" or p.default is p.empty:
+            continue
+        if isinstance(p.default, tuple):
+            out += [(f"{name}_{side}", _DEFAULT_TYPES[type(d)], d) for side, d in zip(("left", "right"), p.default)]
+        elif p.default is None:
+            out.append((name, none_types[name] + "?", None))
+        else:
+            out.append((name, _DEFAULT_TYPES[type(p.default)], p.default))
+    return (*out, ("session", "int", 0))
+
+
 _WRITE_TENSORS = ("k", "v", "k_cache", "v_cache", "slot_mapping")
 _WRITE_OPTIONAL = ("q", "rotary_cos", "rotary_sin", "seqlen_k", "seqstart", "seqstart_q")
-_WRITE_SCALARS = (
-    ("kv_layout", "str", "NHD"),
-    ("rotary_dim", "int?", None),
-    ("rotary_interleaved", "bool", False),
-    ("has_mask", "bool", False),
-    ("device", "str?", None),
-    ("session", "int", 0),
+_WRITE_SCALARS = _signature_scalars(
+    kv_write.reshape_and_cache, _WRITE_TENSORS + _WRITE_OPTIONAL, {"rotary_dim": "int", "device": "str"}
 )
 
 
@@ -284,16 +302,12 @@ _FLASH_OPTIONAL = (
     "block_table",
     "alibi_slopes",
 )
-_FLASH_SCALARS = (
-    ("softmax_scale", "float?", None),
-    ("causal", "bool", False),
-    ("window_size_left", "int", -1),
-    ("window_size_right", "int", -1),
-    ("softcap", "float", 0.0),
-    ("rotary_interleaved", "bool", True),
-    ("num_splits", "int", 0),
-    ("device", "str?", None),
-    ("session", "int", 0),
+# The op always returns the LSE; call_flash_attn drops it where not asked for.
+_FLASH_SCALARS = _signature_scalars(
+    flash_attn.flash_attn_with_kvcache,
+    _FLASH_TENSORS + _FLASH_OPTIONAL,
+    {"softmax_scale": "float", "device": "str"},
+    skip=("return_softmax_lse",),
 )
 
 
