@@ -90,7 +90,7 @@ def mlir(
 ) -> str:
     """The module; `hm` repacks K/V head-major ([HK, N, D]) and transposes
     q into head-major tiles ([N / T, HK, G, T, D]) once, so that each entry
-    reads contiguous blocks; `probe` times a piece alone: "class<c>" (class
+    reads contiguous blocks ("kv": K/V only); `probe` times a piece alone: "class<c>" (class
     c's attention only, returning its partial accumulators) or "nomerge"
     (every class, returning the partials). `merge`: "gather" (structured
     reductions over gathered partials) or "extract" (one elementwise
@@ -100,6 +100,9 @@ def mlir(
     nt, np_ = n // t, n // PAGE
     npc = np_ + 64
     cls = classes(n, t)
+    # hm True: K/V and q head-major; "kv": K/V only (q's gather and
+    # transpose fused into each attention dispatch).
+    q_hm = hm is True
     idx, _ = parts(n, t)
     e_tot = sum(len(c[1]) for c in cls)
     maxp = idx.shape[1]
@@ -141,7 +144,7 @@ def mlir(
         f"  %q5 = tensor.expand_shape %q [[0, 1], [2, 3], [4]] output_shape [{nt}, {t}, {HK}, {G}, {D}] : "
         f"{tt(n, HQ, D)} into {tt(nt, t, HK, G, D)}"
     )
-    if hm:
+    if q_hm:
         a(f"  %qh_e = tensor.empty() : {tt(nt, HK, G, t, D)}")
         a(
             f"  %qh0 = linalg.transpose ins(%q5 : {tt(nt, t, HK, G, D)}) outs(%qh_e : {tt(nt, HK, G, t, D)}) "
@@ -167,7 +170,7 @@ def mlir(
         qe_t, qt_t = tt(e, t, HK, G, D), tt(e, HK, G, t, D)
         k_t = tt(e, HK, length, D) if hm else tt(e, length, HK, D)
         acc_t, r_t = tt(e, HK, G, t, D, et=f32), tt(e, HK, G, t, et=f32)
-        if hm:
+        if q_hm:
             a(f"  %qt{c}_e = tensor.empty({dyn}) : {qt_t}")
             a(
                 f"  %qt{c} = iree_linalg_ext.gather dimension_map = [0] ins(%qh, %tiles{c} : {tt(nt, HK, G, t, D)}, "
@@ -1120,6 +1123,8 @@ CONFIGS = {
     "t128_hm_x": (128, False, False, True, "", "extract"),
     "t128_hm_xc": (128, False, False, True, "", "extract_cfg"),
     "t128_hm_loop": (128, False, False, True, "", "loop"),
+    "t128_hmkv_x": (128, False, False, "kv", "", "extract"),
+    "t256_hmkv_x": (256, False, False, "kv", "", "extract"),
 }
 # The pieces of "t128" alone (timed, not checked).
 PROBES = {f"t128_class{c}": (128, False, False, False, f"class{c}") for c in range(6)} | {
