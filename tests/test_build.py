@@ -382,7 +382,9 @@ def test_tuning_untiles_the_attention_head_dim():
     # one place earlier: it is still found.
     unmasked = text.replace("affine_map<(d0, d1, d2, d3, d4) -> (d0, d1, d4)>, ", "", 1)
     assert unmasked != text
-    assert untile_head_dim(unmasked) == unmasked.replace("workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]")
+    assert untile_head_dim(unmasked) == unmasked.replace(
+        "workgroup = [1, 64, 32, 0, 0]", "workgroup = [1, 64, 0, 0, 0]"
+    )
 
 
 def test_tuning_edits_each_attention_executable_of_a_configured_module():
