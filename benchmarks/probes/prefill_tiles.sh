@@ -14,4 +14,4 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 benchmarks/roof.py --run build/roof
 python3 benchmarks/prefill_tiles.py --run build/prefill-tiles --only "${ONLY:-}"
 python3 benchmarks/roof.py --run build/roof
-python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --shape prefill:1x4096 --rounds 5 "$@"
+python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --shape prefill:1x4096 --shape prefill:4x1024 --shape chunked:4x512+8192 --rounds 5 "$@"
