@@ -1655,6 +1655,61 @@ def run_static(out: Path, repeat: int, only: list[str]) -> None:
         print(f"prefill_tiles ({tag}): {ms:.3f} ms device, {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s", flush=True)
 
 
+def cpu_time(rows: int, rounds: int) -> None:
+    """The tile module (batch_mlir, one causal sequence of `rows`) against
+    today's CPU kernels (PagedAttention.run(), planned once, on numpy
+    arrays; cpu_cases.checked_run) and torch's SDPA on contiguous K/V, on
+    this CPU, rounds interleaved, both outputs checked."""
+    import subprocess
+    import tempfile
+
+    import iree.runtime as rt
+    import torch
+
+    import turbine_fmha
+    from benchmarks import cpu_cases
+    from turbine_fmha.build import compiler
+    from turbine_fmha.build import targets as tg
+    from turbine_fmha.runtime.invoke import Loaded
+
+    model = [
+        ln for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if "Model name" in ln
+    ]
+    print(
+        model[0].strip() if model else "lscpu: no model name", f"| torch threads {torch.get_num_threads()}", flush=True
+    )
+    seqs, t = [(rows, 0)], 128
+    npc = batch_npc(seqs)
+    out = Path(tempfile.mkdtemp()) / "tiles.vmfb"
+    compiler.compile_one(batch_mlir(seqs, t, npc), NAME, out.resolve(), tg.TARGETS["host"])
+    rng = np.random.default_rng(0)
+    args, refs = batch_inputs(seqs, t, npc, rng)
+    cfg = rt.Config("local-task")
+    loaded = Loaded(
+        type("V", (), {"name": NAME})(), rt.VmModule.copy_buffer(cfg.vm_instance, out.read_bytes()), cfg, spin=False
+    )
+    dargs = [rt.asdevicearray(cfg.device, x) for x in args]
+    got = np.asarray(loaded.invoke(dargs, 1)[0].to_host(), np.float64)
+    ref = batch_reference(refs)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 5e-3
+    problem = cpu_cases._case(rng, PAGE, 1, rows, rows)
+    ours = cpu_cases.checked_run(turbine_fmha.Session("cpu", compile_missing=True), problem, True, "run()")
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).to(torch.float16) for x in refs[0])
+    qt, kt, vt = q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    times = cpu_cases.interleaved(
+        {"tiles module": lambda: loaded.invoke(dargs, 1), "run()": ours, "torch SDPA (contiguous K/V)": sdpa},
+        rounds,
+        3,
+    )
+    flops = batch_flops(seqs)
+    for key, ms in times.items():
+        print(f"causal prefill {rows}, {key}: {ms:.1f} ms, {flops / (ms * 1e-3) / 1e9:.1f} GFLOP/s visible", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", type=Path)
@@ -1665,9 +1720,13 @@ def main() -> int:
     ap.add_argument("--print", dest="show", default="")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--check-cpu", action="store_true")
+    ap.add_argument("--cpu-time", type=int, default=0, metavar="ROWS")
     args = ap.parse_args()
     if args.check_cpu:
         return check_cpu(args.n)
+    if args.cpu_time:
+        cpu_time(args.cpu_time, 3)
+        return 0
     if args.show:
         print(mlir(args.n, *(CONFIGS | PROBES)[args.show]))
     if args.build:
