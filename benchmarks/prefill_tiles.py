@@ -1173,10 +1173,10 @@ def build(out: Path, n: int, targets: list[str], only: list[str]) -> None:
             )
             reports[f"{tag}.{target}"] = dict(report, seconds=round(seconds, 2))
             print(tag, target, reports[f"{tag}.{target}"], flush=True)
-    for tag, (seqs, t) in BATCHES.items():
+    for tag, (seqs, t, *repack) in BATCHES.items():
         if only and tag not in only:
             continue
-        src = batch_mlir(seqs, t, batch_npc(seqs))
+        src = batch_mlir(seqs, t, batch_npc(seqs), *repack)
         (out / f"{tag}.mlir").write_text(src)
         for target in targets:
             seconds, report, _ = compiler.compile_one(
@@ -1243,10 +1243,14 @@ def batch_plan(seqs: list[tuple[int, int]], t: int) -> dict:
     return {"bases": bases, "ntot": ntot, "rows": q0, "classes": classes_, "pidx": idx, "e_tot": e0}
 
 
-def batch_mlir(seqs: list[tuple[int, int]], t: int, npc: int) -> str:
+def batch_mlir(seqs: list[tuple[int, int]], t: int, npc: int, repack: str = "gather") -> str:
     """The batch's module: K/V repacked head-major into the regions
     (batch_plan), q read token-major, the classes without a mask and the
-    diagonal blocks masked, one elementwise merge (as `t128_hmkv_x`)."""
+    diagonal blocks masked, one elementwise merge (as `t128_hmkv_x`).
+    `repack`: "gather" (iree_linalg_ext.gather of whole pages, then a
+    transpose: one dispatch at 64-thread workgroups) or "generic" (one
+    elementwise generic writing [HK, keys, D], each element read through
+    the table with tensor.extract)."""
     plan = batch_plan(seqs, t)
     tt = _tt
     ntot, rows, cls, e_tot = plan["ntot"], plan["rows"], plan["classes"], plan["e_tot"]
@@ -1262,6 +1266,26 @@ def batch_mlir(seqs: list[tuple[int, int]], t: int, npc: int) -> str:
     a(f"  %max_start = arith.constant {MAX_START} : f32")
     a(f"  %scale = arith.constant {1 / np.sqrt(D):.8f} : f32")
     for x in ("k", "v"):
+        if repack == "generic":
+            a(f"  %{x}h_e = tensor.empty() : {tt(HK, ntot, D)}")
+            a(
+                f"  %{x}h = linalg.generic {{indexing_maps = [affine_map<(h, n, d) -> (h, n, d)>], "
+                f'iterator_types = ["parallel", "parallel", "parallel"]}} outs(%{x}h_e : {tt(HK, ntot, D)}) {{'
+            )
+            a("  ^bb0(%o: f16):")
+            a("    %h = linalg.index 0 : index")
+            a("    %n = linalg.index 1 : index")
+            a("    %d = linalg.index 2 : index")
+            a(f"    %pg = arith.constant {PAGE} : index")
+            a("    %slot = arith.divui %n, %pg : index")
+            a("    %row = arith.remui %n, %pg : index")
+            a(f"    %pid = tensor.extract %table[%slot] : {tt(nps, et='i64')}")
+            a("    %pgi = arith.index_cast %pid : i64 to index")
+            a(f"    %val = tensor.extract %{x}c[%pgi, %row, %h, %d] : {tt(npc, PAGE, HK, D)}")
+            a("    linalg.yield %val : f16")
+            a(f"  }} -> {tt(HK, ntot, D)}")
+            a(f"  %{x}b = util.optimization_barrier %{x}h : {tt(HK, ntot, D)}")
+            continue
         a(f"  %{x}g_e = tensor.empty() : {tt(nps, PAGE, HK, D)}")
         a(
             f"  %{x}g = iree_linalg_ext.gather dimension_map = [0] ins(%{x}c, %table : {tt(npc, PAGE, HK, D)}, "
@@ -1416,12 +1440,14 @@ BATCHES = {
     "batch_4096_t256": ([(4096, 0)], 256),
     "batch_4x1024_t256": ([(1024, 0)] * 4, 256),
     "batch_4x512+8192_t256": ([(512, 8192)] * 4, 256),
+    "batch_4096_rg": ([(4096, 0)], 128, "generic"),
 }
 # Small batches for --check-cpu: ragged, chunked, one tile.
 CPU_BATCHES = {
     "cpu_ragged": ([(256, 0), (128, 0), (384, 0)], 128),
     "cpu_chunked": ([(128, 256), (256, 128)], 128),
     "cpu_one_tile": ([(128, 0)], 128),
+    "cpu_ragged_rg": ([(256, 0), (128, 0), (384, 0)], 128, "generic"),
 }
 
 
@@ -1544,13 +1570,13 @@ def check_cpu(n: int) -> int:
         err = np.abs(got - ref).max() / np.abs(ref).max()
         print(f"{tag}: max rel err {err:.2e}", flush=True)
         bad += not err < 5e-3
-    for tag, (seqs, t) in CPU_BATCHES.items():
+    for tag, (seqs, t, *repack) in CPU_BATCHES.items():
         npc = batch_npc(seqs)
         path = out / f"{tag}.host.vmfb"
         from turbine_fmha.build import compiler
         from turbine_fmha.build import targets as tg
 
-        compiler.compile_one(batch_mlir(seqs, t, npc), NAME, path.resolve(), tg.TARGETS["host"])
+        compiler.compile_one(batch_mlir(seqs, t, npc, *repack), NAME, path.resolve(), tg.TARGETS["host"])
         args, refs = batch_inputs(seqs, t, npc, rng)
         vm = rt.VmModule.copy_buffer(cfg.vm_instance, path.read_bytes())
         loaded = Loaded(type("V", (), {"name": NAME})(), vm, cfg, spin=False)
@@ -1575,7 +1601,7 @@ def run_batches(out: Path, repeat: int, only: list[str]) -> None:
     session = turbine_fmha.Session("cuda", artifact_dir="/nonexistent-prefill-tiles")
     cfg, dev = session._iree_config(), session.device_of()
     rng = np.random.default_rng(0)
-    for tag, (seqs, t) in BATCHES.items():
+    for tag, (seqs, t, *_) in BATCHES.items():
         path = out / f"{tag}.cuda.vmfb"
         if not path.exists() or (only and tag not in only):
             continue
