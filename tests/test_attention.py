@@ -366,6 +366,31 @@ def test_run_neither_copies_nor_allocates_for_the_cache(explicit_session, rng):
     assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
 
 
+def test_a_kernel_built_on_first_use_keeps_the_plans_cache_imports(tmp_path, rng):
+    """The first run() of a kernel not built yet builds it, and its host
+    caches are imported once, by that run, whatever alignment the new
+    artifact records: the next run imports nothing."""
+    s = turbine_fmha.Session("cpu", compile_missing=True, cache_dir=tmp_path, artifact_dir=tmp_path / "none")
+    pages, page, hk, d = 8, 16, 1, 32
+    k = aligned_zeros((pages, page, hk, d), np.float16)
+    v = aligned_zeros((pages, page, hk, d), np.float16)
+    k[...] = rng.standard_normal(k.shape)
+    v[...] = rng.standard_normal(v.shape)
+    bt, sk = np.array([[3, 5]], np.int32), np.array([20], np.int32)
+    q = rng.standard_normal((1, 1, 2, d)).astype(np.float16)
+    attn = turbine_fmha.PagedAttention(s).plan(
+        bt, sk, num_pages=pages, page_block_size=page, nhead_q=2, nhead_k=hk, hdim=d, dtype="f16"
+    )
+    imported = []
+    real = s.import_host
+    s.import_host = lambda a, *alignment: imported.append(a.nbytes) or real(a, *alignment)
+    for _ in range(3):
+        out = attn.run(q, k, v)
+    assert imported == [k.nbytes, v.nbytes]
+    ref, _ = fmha_fwd_paged_ref(q, k, v, bt, sk)
+    assert np.abs(out.astype(np.float64) - ref).max() <= OUT_TOL["f16"] * np.abs(ref).max()
+
+
 def test_run_reads_each_layers_cache_as_it_is_now(explicit_session, rng):
     """A plan keeps its imports of host caches (Session.kernel_cache): runs
     over several layers' caches must each read their own, and a cache

@@ -319,10 +319,14 @@ class Session(VariantSelection, DeviceInterop):
 
     # -- execution ----------------------------------------------------------
 
-    def binding_alignment(self, kernel) -> int:
+    def binding_alignment(self, kernel: Variant) -> int:
         """The alignment in bytes that `kernel`'s artifact assumes of its
         arguments' memory (the manifest's binding_alignment; IREE's default
-        for entries without one, and for a kernel not built yet)."""
+        for entries without one). The kernel is loaded first, built where
+        the session compiles missing kernels: asked before its first build,
+        the answer was IREE's default and changed after it, so a plan's host
+        caches, kept by alignment, were imported again by the next run."""
+        self._load(kernel)
         entry = self._index.get(kernel.name)
         return DEFAULT_BINDING_ALIGNMENT if entry is None else entry.get("binding_alignment", DEFAULT_BINDING_ALIGNMENT)
 
