@@ -27,7 +27,7 @@ The decompositions (causal, one sequence of N rows = keys, query tile T):
   structured reductions over the slots.
 - static (STATIC): one class's attention on ready-made operands (no
   gathers), per layout: the op's own rate for that shape.
-- batches (BATCHES): the issue's three shapes (causal 4096, 4 x 1024
+- batches (BATCHES): as_called.py's three prefill shapes (causal 4096, 4 x 1024
   causal, 4 x 512 new rows over 8192 cached keys) as ragged batches of
   bottom-right causal sequences (batch_plan: each sequence's keys in a
   region aligned to its largest chunk), K/V head-major, q read
@@ -1198,7 +1198,7 @@ def build(out: Path, n: int, targets: list[str], only: list[str]) -> None:
     (out / "build.json").write_text(json.dumps({"n": n, "reports": reports}, indent=1))
 
 
-# -- ragged batches and chunked prefill (the three shapes) ----------
+# -- ragged batches and chunked prefill (as_called.py's prefill shapes) -----
 
 
 def batch_plan(seqs: list[tuple[int, int]], t: int) -> dict:
@@ -1432,7 +1432,7 @@ def batch_flops(seqs) -> float:
     return sum(4.0 * HQ * D * (rows * cached + rows * (rows + 1) / 2) for rows, cached in seqs)
 
 
-# The prefill shapes: [(new rows, cached keys)], query tile.
+# as_called.py's prefill shapes: [(new rows, cached keys)], query tile.
 BATCHES = {
     "batch_4096": ([(4096, 0)], 128),
     "batch_4x1024": ([(1024, 0)] * 4, 128),
