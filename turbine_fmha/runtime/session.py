@@ -135,28 +135,7 @@ class Session(VariantSelection, DeviceInterop):
         given = device if ordinal is None else device_name(device, ordinal)
         self.device = device
         self.ordinal = ordinal or 0
-        # A CPU session without a target takes the best its directories
-        # hold for this CPU (_cpu_target, once they are read).
-        chosen = get_target(target) if target is not None else None
-        if chosen is None and device != "cpu":
-            chosen = get_target(DEVICE_DEFAULT_TARGET[device])
-        if chosen is not None and chosen.driver != _device_driver(device):
-            # Such a session loaded artifacts for another device: a GPU
-            # session of a CPU target ran its calls on the CPU.
-            raise ValueError(
-                f"device {given!r}: cannot run target {chosen.name!r} (a {chosen.kind} target, for IREE's "
-                f"{chosen.driver} driver); a {device} device takes {', '.join(_device_targets(device))}"
-            )
-        if chosen is not None and chosen.kind == "cpu":
-            lacks = host_cpu.this_cpu().lacks(chosen.cpu_arch, chosen.cpu_requires)
-            if lacks:
-                raise ValueError(
-                    f"target {chosen.name!r} needs what this CPU ({host_cpu.this_cpu().arch}) lacks: {', '.join(lacks)}"
-                )
-        if device == "hip":
-            env.switch(env.HIP_HOST_WAIT)  # read (and refused if invalid) now, not at the first call
-        if device != "cpu":
-            _check_device(chosen.driver, self.ordinal, given)
+        chosen = _checked_target(device, self.ordinal, target, given)
         if formulation not in (None, "explicit", "online"):
             raise ValueError(f"formulation must be 'explicit' or 'online', got {formulation!r}")
         self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
@@ -478,6 +457,35 @@ _DRIVER_DEVICES: dict[str, list | str] = {}
 # Its own lock, not _SHARED_LOCK: _shared_config holds that one while it
 # checks the device it opens.
 _DRIVER_LOCK = threading.Lock()
+
+
+def _checked_target(device: str, ordinal: int, target: str | None, given: str) -> Target | None:
+    """The target a session of `device` (named `given` in errors) runs:
+    `target`, else the device's default; None for a CPU session without
+    one, which takes the best its directories hold for this CPU
+    (_cpu_target, once they are read). Raises ValueError for a target the
+    device or this CPU cannot run, or a GPU the machine does not have."""
+    chosen = get_target(target) if target is not None else None
+    if chosen is None and device != "cpu":
+        chosen = get_target(DEVICE_DEFAULT_TARGET[device])
+    if chosen is not None and chosen.driver != _device_driver(device):
+        # Such a session loaded artifacts for another device: a GPU
+        # session of a CPU target ran its calls on the CPU.
+        raise ValueError(
+            f"device {given!r}: cannot run target {chosen.name!r} (a {chosen.kind} target, for IREE's "
+            f"{chosen.driver} driver); a {device} device takes {', '.join(_device_targets(device))}"
+        )
+    if chosen is not None and chosen.kind == "cpu":
+        lacks = host_cpu.this_cpu().lacks(chosen.cpu_arch, chosen.cpu_requires)
+        if lacks:
+            raise ValueError(
+                f"target {chosen.name!r} needs what this CPU ({host_cpu.this_cpu().arch}) lacks: {', '.join(lacks)}"
+            )
+    if device == "hip":
+        env.switch(env.HIP_HOST_WAIT)  # read (and refused if invalid) now, not at the first call
+    if device != "cpu":
+        _check_device(chosen.driver, ordinal, given)
+    return chosen
 
 
 def _device_driver(kind: str) -> str:
