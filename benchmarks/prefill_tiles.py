@@ -245,29 +245,12 @@ def mlir(
         maps = [f"affine_map<{dims} -> ({r})>" for r in ("b, h, g, m, d", *kv_r, "")]
         ins, ins_t = [f"%qt{c}", f"%k{c}", f"%v{c}", "%scale"], [qt_t, k_t, k_t, "f32"]
         if diag or masked_prefix:
-            mt = tt(t, length, et="i1")
-            keep = "%ok = arith.cmpi sle, %j, %i : index" if diag else "%ok = arith.constant true"
-            a(f"  %mask{c}_e = tensor.empty() : {mt}")
-            a(
-                f"  %mask{c} = linalg.generic {{indexing_maps = [affine_map<(i, j) -> (i, j)>], "
-                f'iterator_types = ["parallel", "parallel"]}} outs(%mask{c}_e : {mt}) {{'
-            )
-            a("  ^bb0(%o: i1):")
-            a("    %i = linalg.index 0 : index")
-            a("    %j = linalg.index 1 : index")
-            a(f"    {keep}")
-            a("    linalg.yield %ok : i1")
-            a(f"  }} -> {mt}")
+            mt = _mask(a, f"%mask{c}", t, length, CAUSAL if diag else ALL_TRUE)
             maps.append(f"affine_map<{dims} -> (m, n)>")
             ins.append(f"%mask{c}")
             ins_t.append(mt)
         maps += [f"affine_map<{dims} -> ({r})>" for r in ("b, h, g, m, e", "b, h, g, m", "b, h, g, m")]
-        a(f"  %att{c}:3 = iree_linalg_ext.online_attention <indexing_maps = [{', '.join(maps)}]>")
-        a(f"      ins({', '.join(ins)} : {', '.join(ins_t)})")
-        a(f"      outs(%acc{c}_0, %max{c}_0, %sum{c}_0 : {acc_t}, {r_t}, {r_t}) {{")
-        a("    ^bb0(%s: f32):")
-        a("      iree_linalg_ext.yield %s : f32")
-        a(f"  }} -> {acc_t}, {r_t}, {r_t}")
+        _attention(a, f"%att{c}", maps, ins, ins_t, [f"%acc{c}_0", f"%max{c}_0", f"%sum{c}_0"], [acc_t, r_t, r_t])
         # Into the partials at this class's entries.
         if dyn_entries:
             a(f"  %acc{c}_s = tensor.cast %att{c}#0 : {acc_t} to {tt(es, HK, G, t, D, et=f32)}")
@@ -581,30 +564,22 @@ def grid_mlir(n: int, t: int, c: int, probe: str = "") -> str:
         maps = [f"affine_map<{dims} -> ({x})>" for x in ("b, h, g, m, d", kr, vr, "")]
         ins, ins_t = [f"%q_{name}", f"%k_{name}", f"%v_{name}", "%scale"], [q_t, kv_t, kv_t, "f32"]
         if moff is not None:
-            mt = tt(t, keys, et="i1")
-            a(f"  %mask_{name}_e = tensor.empty() : {mt}")
-            a(
-                f"  %mask_{name} = linalg.generic {{indexing_maps = [affine_map<(i, j) -> (i, j)>], "
-                f'iterator_types = ["parallel", "parallel"]}} outs(%mask_{name}_e : {mt}) {{'
+            mt = _mask(
+                a,
+                f"%mask_{name}",
+                t,
+                keys,
+                [
+                    f"%off = arith.constant {moff} : index",
+                    "%lim = arith.addi %i, %off : index",
+                    "%ok = arith.cmpi sle, %j, %lim : index",
+                ],
             )
-            a("  ^bb0(%o: i1):")
-            a("    %i = linalg.index 0 : index")
-            a("    %j = linalg.index 1 : index")
-            a(f"    %off = arith.constant {moff} : index")
-            a("    %lim = arith.addi %i, %off : index")
-            a("    %ok = arith.cmpi sle, %j, %lim : index")
-            a("    linalg.yield %ok : i1")
-            a(f"  }} -> {mt}")
             maps.append(f"affine_map<{dims} -> (m, n)>")
             ins.append(f"%mask_{name}")
             ins_t.append(mt)
         maps += [f"affine_map<{dims} -> ({x})>" for x in ("b, h, g, m, e", "b, h, g, m", "b, h, g, m")]
-        a(f"  %att_{name}:3 = iree_linalg_ext.online_attention <indexing_maps = [{', '.join(maps)}]>")
-        a(f"      ins({', '.join(ins)} : {', '.join(ins_t)})")
-        a(f"      outs({', '.join(st)} : {sacc_t}, {sr_t}, {sr_t}) {{")
-        a("    ^bb0(%s: f32):")
-        a("      iree_linalg_ext.yield %s : f32")
-        a(f"  }} -> {sacc_t}, {sr_t}, {sr_t}")
+        _attention(a, f"%att_{name}", maps, ins, ins_t, st, [sacc_t, sr_t, sr_t])
         new = []
         for k, (dst, full_t, part_t, rank) in enumerate(
             ((state[0], acc_t, sacc_t, 5), (state[1], r_t, sr_t, 4), (state[2], r_t, sr_t, 4))
@@ -639,6 +614,40 @@ def grid_mlir(n: int, t: int, c: int, probe: str = "") -> str:
 
 def _tt(*dims, et="f16"):
     return "tensor<" + "x".join(str(d) for d in dims) + f"x{et}>"
+
+
+def _attention(a, res: str, maps: list, ins: list, ins_t: list, outs: list, outs_t: list) -> None:
+    """Emits `res`:3 = online_attention of `ins` into `outs` (acc, max,
+    sum), its score region passing the score through."""
+    a(f"  {res}:3 = iree_linalg_ext.online_attention <indexing_maps = [{', '.join(maps)}]>")
+    a(f"      ins({', '.join(ins)} : {', '.join(ins_t)})")
+    a(f"      outs({', '.join(outs)} : {', '.join(outs_t)}) {{")
+    a("    ^bb0(%s: f32):")
+    a("      iree_linalg_ext.yield %s : f32")
+    a(f"  }} -> {', '.join(outs_t)}")
+
+
+def _mask(a, name: str, rows: int, keys: int, keep: list[str]) -> str:
+    """Emits `name`, an i1 [rows, keys] mask over (query row %i, key %j)
+    whose `keep` lines define %ok; returns its type."""
+    mt = _tt(rows, keys, et="i1")
+    a(f"  {name}_e = tensor.empty() : {mt}")
+    a(
+        f"  {name} = linalg.generic {{indexing_maps = [affine_map<(i, j) -> (i, j)>], "
+        f'iterator_types = ["parallel", "parallel"]}} outs({name}_e : {mt}) {{'
+    )
+    a("  ^bb0(%o: i1):")
+    a("    %i = linalg.index 0 : index")
+    a("    %j = linalg.index 1 : index")
+    for line in keep:
+        a(f"    {line}")
+    a("    linalg.yield %ok : i1")
+    a(f"  }} -> {mt}")
+    return mt
+
+
+CAUSAL = ["%ok = arith.cmpi sle, %j, %i : index"]
+ALL_TRUE = ["%ok = arith.constant true"]
 
 
 def _repack_head_major(a, n: int, t: int) -> None:
@@ -761,30 +770,13 @@ def chain_mlir(n: int, t: int, masked_all: bool = False) -> str:
         maps = [f"affine_map<{dims} -> ({x})>" for x in ("k, l, h, g, m, d", "h, k, n, d", "h, k, n, e", "")]
         ins, ins_t = [q_v, f"%k_{name}", f"%v_{name}", "%scale"], [q_t, kv_t, kv_t, "f32"]
         if diag or masked_all:
-            mt = tt(t, keys, et="i1")
-            keep = "%ok = arith.cmpi sle, %j, %i : index" if diag else "%ok = arith.constant true"
-            a(f"  %mask_{name}_e = tensor.empty() : {mt}")
-            a(
-                f"  %mask_{name} = linalg.generic {{indexing_maps = [affine_map<(i, j) -> (i, j)>], "
-                f'iterator_types = ["parallel", "parallel"]}} outs(%mask_{name}_e : {mt}) {{'
-            )
-            a("  ^bb0(%o: i1):")
-            a("    %i = linalg.index 0 : index")
-            a("    %j = linalg.index 1 : index")
-            a(f"    {keep}")
-            a("    linalg.yield %ok : i1")
-            a(f"  }} -> {mt}")
+            mt = _mask(a, f"%mask_{name}", t, keys, CAUSAL if diag else ALL_TRUE)
             maps.append(f"affine_map<{dims} -> (m, n)>")
             ins.append(f"%mask_{name}")
             ins_t.append(mt)
         maps += [f"affine_map<{dims} -> ({x})>" for x in ("k, l, h, g, m, e", "k, l, h, g, m", "k, l, h, g, m")]
         sacc_t, sr_t = views[0][2], views[1][2]
-        a(f"  %att_{name}:3 = iree_linalg_ext.online_attention <indexing_maps = [{', '.join(maps)}]>")
-        a(f"      ins({', '.join(ins)} : {', '.join(ins_t)})")
-        a(f"      outs({', '.join(inits)} : {sacc_t}, {sr_t}, {sr_t}) {{")
-        a("    ^bb0(%s: f32):")
-        a("      iree_linalg_ext.yield %s : f32")
-        a(f"  }} -> {sacc_t}, {sr_t}, {sr_t}")
+        _attention(a, f"%att_{name}", maps, ins, ins_t, inits, [sacc_t, sr_t, sr_t])
         new = []
         for k, (x_name, big_t, part_t, reassoc, full_t, tail) in enumerate(views):
             rank = len(tail)
@@ -875,28 +867,20 @@ def slots_mlir(n: int, t: int) -> str:
         maps = [f"affine_map<{dims} -> ({x})>" for x in ("k, l, h, g, m, d", "h, k, n, d", "h, k, n, e", "")]
         ins, ins_t = [f"%q_{name}", f"%k_{name}", f"%v_{name}", "%scale"], [q_t, kv_t, kv_t, "f32"]
         if diag:
-            mt = tt(t, keys, et="i1")
-            a(f"  %mask_{name}_e = tensor.empty() : {mt}")
-            a(
-                f"  %mask_{name} = linalg.generic {{indexing_maps = [affine_map<(i, j) -> (i, j)>], "
-                f'iterator_types = ["parallel", "parallel"]}} outs(%mask_{name}_e : {mt}) {{'
-            )
-            a("  ^bb0(%o: i1):")
-            a("    %i = linalg.index 0 : index")
-            a("    %j = linalg.index 1 : index")
-            a("    %ok = arith.cmpi sle, %j, %i : index")
-            a("    linalg.yield %ok : i1")
-            a(f"  }} -> {mt}")
+            mt = _mask(a, f"%mask_{name}", t, keys, CAUSAL)
             maps.append(f"affine_map<{dims} -> (m, n)>")
             ins.append(f"%mask_{name}")
             ins_t.append(mt)
         maps += [f"affine_map<{dims} -> ({x})>" for x in ("k, l, h, g, m, e", "k, l, h, g, m", "k, l, h, g, m")]
-        a(f"  %att_{name}:3 = iree_linalg_ext.online_attention <indexing_maps = [{', '.join(maps)}]>")
-        a(f"      ins({', '.join(ins)} : {', '.join(ins_t)})")
-        a(f"      outs(%acc_{name}_0, %max_{name}_0, %sum_{name}_0 : {sacc_t}, {sr_t}, {sr_t}) {{")
-        a("    ^bb0(%s: f32):")
-        a("      iree_linalg_ext.yield %s : f32")
-        a(f"  }} -> {sacc_t}, {sr_t}, {sr_t}")
+        _attention(
+            a,
+            f"%att_{name}",
+            maps,
+            ins,
+            ins_t,
+            [f"%acc_{name}_0", f"%max_{name}_0", f"%sum_{name}_0"],
+            [sacc_t, sr_t, sr_t],
+        )
         new = []
         for k, (src, tail, full_t) in enumerate(zip(parts, tails, (pacc_t, pr_t, pr_t))):
             rank = len(tail)
@@ -1343,28 +1327,12 @@ def batch_mlir(seqs: list[tuple[int, int]], t: int, npc: int, repack: str = "gat
         maps = [f"affine_map<{dims} -> ({r})>" for r in ("b, h, g, m, d", "b, h, n, d", "b, h, n, e", "")]
         ins, ins_t = [f"%qt{c}", f"%k{c}", f"%v{c}", "%scale"], [qt_t, k_t, k_t, "f32"]
         if diag:
-            mt = tt(t, t, et="i1")
-            a(f"  %mask_e = tensor.empty() : {mt}")
-            a(
-                "  %mask = linalg.generic {indexing_maps = [affine_map<(i, j) -> (i, j)>], "
-                f'iterator_types = ["parallel", "parallel"]}} outs(%mask_e : {mt}) {{'
-            )
-            a("  ^bb0(%o: i1):")
-            a("    %i = linalg.index 0 : index")
-            a("    %j = linalg.index 1 : index")
-            a("    %ok = arith.cmpi sle, %j, %i : index")
-            a("    linalg.yield %ok : i1")
-            a(f"  }} -> {mt}")
+            mt = _mask(a, "%mask", t, t, CAUSAL)
             maps.append(f"affine_map<{dims} -> (m, n)>")
             ins.append("%mask")
             ins_t.append(mt)
         maps += [f"affine_map<{dims} -> ({r})>" for r in ("b, h, g, m, e", "b, h, g, m", "b, h, g, m")]
-        a(f"  %att{c}:3 = iree_linalg_ext.online_attention <indexing_maps = [{', '.join(maps)}]>")
-        a(f"      ins({', '.join(ins)} : {', '.join(ins_t)})")
-        a(f"      outs(%acc{c}_0, %max{c}_0, %sum{c}_0 : {acc_t}, {r_t}, {r_t}) {{")
-        a("    ^bb0(%s: f32):")
-        a("      iree_linalg_ext.yield %s : f32")
-        a(f"  }} -> {acc_t}, {r_t}, {r_t}")
+        _attention(a, f"%att{c}", maps, ins, ins_t, [f"%acc{c}_0", f"%max{c}_0", f"%sum{c}_0"], [acc_t, r_t, r_t])
         new = []
         for k, (dst, full) in enumerate(zip(cur, (pacc_t, pr_t, pr_t))):
             rank = 5 if k == 0 else 4
