@@ -6,7 +6,8 @@ with the build extra (no GPU needed):
 
 writes
     OUT/artifacts/       the attention and append kernels the GPU tests
-                         select (attention_kernels(), append_kernels()),
+                         select (attention_kernels(), append_kernels(),
+                         tiles_kernels()),
                          an artifact directory Session(artifact_dir=) reads
     OUT/exported/        programs exported through torch.export with
                          the kernels inside (exported_programs()), and
@@ -150,6 +151,15 @@ def append_kernels() -> list:
     ]
 
 
+def tiles_kernels() -> list:
+    """The prefill tile kernels of the default GPU set for the tests'
+    shapes (f16 and bf16, 32/8 heads of 128, pages of 16): the plain
+    prefills of every test run through them (Session's prefill_tiles)."""
+    from turbine_fmha.build.default_sets import default_tiles_kernels
+
+    return [k for k in default_tiles_kernels(gpu=True) if k.page_block_size == PAGE]
+
+
 def exported_programs(out: Path, target: str) -> list[str]:
     """Programs exported through iree.turbine's aot.export with the kernels
     inside, compiled for `target`: a causal decode with dynamic batch,
@@ -261,7 +271,7 @@ def main() -> int:
     from turbine_fmha.build.compiler import compiler_version
 
     t0 = time.perf_counter()
-    kernels = attention_kernels() + append_kernels()
+    kernels = attention_kernels() + append_kernels() + tiles_kernels()
     results = aot.build(args.out / "artifacts", [args.target], kernels, jobs=args.jobs)
     compiled = sum(r.rebuilt for r in results)
     print(f"{len(results)} kernels for {args.target} ({compiled} compiled) in {time.perf_counter() - t0:.0f} s")

@@ -47,7 +47,7 @@ from ..kernels.signature import KERNEL_ABI
 from ..kernels.variants import Variant, target_unsupported
 from .artifacts import MANIFEST, MANIFEST_VERSION, read_manifest
 from .compiler import Cancelled, Compilers, compile_one, compiler_version, source_hash
-from .default_sets import default_append_kernels, gpu_default_set, host_default_set
+from .default_sets import default_append_kernels, default_tiles_kernels, gpu_default_set, host_default_set
 from .targets import Target, get_target
 
 LOCK = ".lock"
@@ -85,7 +85,7 @@ def require_build_extra(what: str = "building artifacts") -> None:
 
 def default_variants(target: Target) -> list[Variant | AppendKernel]:
     gpu = target.formulation != "explicit"
-    return (gpu_default_set() if gpu else host_default_set()) + default_append_kernels(gpu)
+    return (gpu_default_set() if gpu else host_default_set()) + default_append_kernels(gpu) + default_tiles_kernels(gpu)
 
 
 def sha256_file(path: Path) -> str:

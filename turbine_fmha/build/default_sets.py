@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 
 from ..kernels.append_kernel import AppendKernel
+from ..kernels.tiles_kernel import TILE_ROWS, TILES_CLASSES, TilesKernel
 from ..kernels.variants import (
     FORMULATIONS,
     GPU_DECODE_TILE,
@@ -249,6 +250,20 @@ def default_append_kernels(gpu: bool) -> list[AppendKernel]:
         for dt in ("f16", "bf16", "f32")
         for hd in DEFAULT_HDIMS
         for page in DEFAULT_PAGES
+    ]
+
+
+def default_tiles_kernels(gpu: bool) -> list[TilesKernel]:
+    """The prefill tile kernels of the GPU set's plain shapes (f16/bf16, 32/8
+    heads of 128, pages of 16 and 64), one per class count; none on the CPU,
+    where the explicit kernels are faster."""
+    if not gpu:
+        return []
+    return [
+        TilesKernel(dt, 32, 8, 128, page, TILE_ROWS, c)
+        for dt in ("f16", "bf16")
+        for page in (16, 64)
+        for c in TILES_CLASSES
     ]
 
 

@@ -42,6 +42,7 @@ import dataclasses
 import numpy as np
 
 from ..build.artifacts import ArtifactError
+from ..kernels.tiles_kernel import TILE_ROWS
 from ..kernels.variants import ENTRY_ROWS, Variant, bias_shape_of, group_rows_for
 from .modes import active_sequences, bias_rows, gappy_table
 from .plan import (
@@ -60,6 +61,7 @@ from .plan import (
     window_keys,
 )
 from .problem import Problem
+from .tiles import MIN_ROWS, Sequence, TilesPlan, classes_needed, tiles_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +112,11 @@ class Plan:
 
     problem: Problem
     parts: tuple[Part, ...]
+    # Compute-bound prefill through contiguous tiles (calls/tiles.py): where
+    # set, one call of tiles_kernel computes the outputs, and the parts
+    # are not run.
+    tiles: TilesPlan | None = None
+    tiles_kernel: object = None
 
     @property
     def mixed(self) -> bool:
@@ -123,7 +130,63 @@ def make_plan(p: Problem, catalog, policy: Policy = EAGER) -> Plan:
     lens = t.seqlens_q[active]
     if t.group and (lens == 1).any() and (lens > 1).any():
         return Plan(p, tuple(_part(p, catalog, policy, active[sel]) for sel in (lens == 1, lens > 1)))
-    return Plan(p, (_part(p, catalog, policy, active),))
+    part = _part(p, catalog, policy, active)
+    tiles = _tiles(p, catalog, policy, part)
+    return Plan(p, (part,), *(tiles or ()))
+
+
+def _tiles(p: Problem, catalog, policy: Policy, part: Part):
+    """(TilesPlan, its kernel) where the part is a compute-bound prefill
+    that a tile kernel of the catalog serves exactly: no score terms beyond
+    the scale, no window, pages of whole tiles' rows; else None."""
+    lay, s, t = p.layout, p.scores, p.tables
+    m = s.mask
+    # A mask of no window sides shows every key, as no mask does.
+    edges = (m.left, m.right, m.sink)
+    mask = "none" if m.type == "none" or edges == (-1, -1, 0) else m.type if edges == (-1, 0, 0) else None
+    if (
+        not policy.values_known
+        or part.rows < MIN_ROWS
+        or mask is None
+        or lay.kv_dtype
+        or lay.static_quant
+        or (lay.kv_layout, lay.v_layout) != ("NHD", "row")
+        or lay.hdim_q != lay.hdim_v
+        or s.softcap
+        or s.alibi_slopes is not None
+        or s.bias is not None
+        or s.sinks is not None
+        or s.v_scale != 1
+        or p.num_splits not in (None, 1)
+        or not hasattr(catalog, "tiles_kernel")
+    ):
+        return None
+    # Rows of skipped sequences keep out's zeros: only where there are none.
+    skipped = np.setdiff1d(np.arange(t.batch), part.active)
+    if (t.seqlens_q[skipped] > 0).any() or (t.offsets % lay.page_block_size).any():
+        return None
+    starts = t.seqstart[:-1] if t.group else np.arange(t.batch) * t.seqlen_q
+    seqs = [
+        Sequence(
+            int(starts[b]),
+            int(t.seqlens_q[b]),
+            int(t.seqlen_k[b]),
+            t.block_table[b, int(t.offsets[b]) // lay.page_block_size :],
+        )
+        for b in part.active
+        if t.seqlens_q[b] > 0
+    ]
+    if not seqs or any(x.keys == 0 for x in seqs):
+        return None
+    classes = classes_needed(seqs, mask, TILE_ROWS)
+    kernel = None
+    if classes is not None:
+        kernel = catalog.tiles_kernel(lay.dtype, lay.nhead_q, lay.nhead_k, lay.hdim_q, lay.page_block_size, classes)
+    if kernel is None:
+        return None
+    scale = s.scale * s.q_scale * s.k_scale
+    plan = tiles_plan(seqs, t.total_q, mask, lay.page_block_size, kernel.tile, kernel.classes, lay.nhead_k, scale)
+    return plan, kernel
 
 
 def _part(p: Problem, catalog, policy: Policy, active: np.ndarray) -> Part:

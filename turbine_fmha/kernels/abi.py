@@ -32,7 +32,10 @@ from .signature import (
     fwd_types,
     present,
     shape_of,
+    tiles_declaration,
+    tiles_types,
 )
+from .tiles_kernel import TILES_CLASSES, TilesKernel
 from .variants import UNBOUNDED, Variant
 
 # The version of this description's layout (not of the kernels: that is
@@ -75,6 +78,13 @@ SYMBOLS = {
     "TQ": "q rows to rotate (0 for none)",
     "R": "rotary table positions",
     "RH": "rotary table width (rotary_dim / 2)",
+    "QR": "query rows, packed over the sequences",
+    "KS": "slots of the contiguous key region (PG keys each)",
+    "NT": "query tiles",
+    "TR": "query rows per tile",
+} | {
+    f"E{c}": f"entries of chunk class {c} (the last blocks, masked, in the highest class)"
+    for c in range(max(TILES_CLASSES) + 1)
 }
 
 # By kernel family (Kernel.name of FWD; the appends share one), then name.
@@ -113,12 +123,36 @@ MEANINGS = {
         "rotary_sin": "sin table [position, rotary_dim / 2]",
         "q_out": "q rotated (the first rotary_dim lanes of each head; the rest copied)",
     },
+    "prefill_tiles": {
+        "q": "query rows [row, head, dim], the sequences' rows one after another",
+        "k_cache": "K pages [page, row, head, dim]",
+        "v_cache": "V pages [page, row, head, dim]",
+        "slots": "page id of each region slot (clamped into [0, NP))",
+        "slot_rows": "rows of that page that hold keys; the rest of the slot reads as zeros",
+        "q_rows": "the q row of each tile row (clamped into q; padding rows repeat any row of the tile's sequence)",
+        "out_rows": "the tile row (tile * TR + row) whose result is each q row's output",
+        **{f"tiles{c}": f"the tile of each entry of class {c}" for c in range(max(TILES_CLASSES) + 1)},
+        **{
+            f"chunks{c}": (
+                f"per KV head h, the chunk of each entry of class {c}: h * (KS * PG / length) + j, chunk j of the "
+                f"region viewed as chunks of the class's length (TR * 2^{c} keys; TR in the last class), clamped"
+            )
+            for c in range(max(TILES_CLASSES) + 1)
+        },
+        "bounds": "(off, lim) of each last-block entry: row m sees its key n when n <= m + off and n < lim",
+        "parts": "each tile's entry in each class, numbered over the classes in order; -1 for none",
+        "fparams": "[scale_s]: the softmax scale",
+        "out": "the attention output, softmax(scale_s * q.k) . v, at each q row",
+        "lse": "log-sum-exp of each row's scores in natural units, [head, row]",
+    },
 }
 
 
 def family(decl) -> str:
     """The MEANINGS key of a kernel declaration (signature.Kernel)."""
-    return "pagedkv_fwd" if decl.name == FWD.name else "pagedkv_append"
+    if decl.name in (FWD.name, "prefill_tiles"):
+        return decl.name
+    return "pagedkv_append"
 
 
 FPARAMS = (
@@ -201,6 +235,11 @@ PRECONDITIONS = {
     "append_slots": "every slot (page, row) is in range and no two new tokens share one (the kernel writes where they say)",
     "append_in_place": "k_cache and v_cache are written in place (k_out and v_out are those buffers); they must not alias the new rows",
     "append_rotary": "positions (k_pos, q_pos) within the tables' R rows; attributes.rotary names the pairing",
+    "tiles_plan": (
+        "the arguments are a plan of calls/tiles.py: each entry's rows see every key of its chunk (and of its last "
+        "block, within bounds), each row of a tile belongs to one sequence, and a tile's entries are the keys its "
+        "rows see; ids out of range are clamped, so other arguments give wrong results, never reads outside them"
+    ),
 }
 
 PLANNING = {
@@ -244,11 +283,15 @@ def abi_docs() -> dict:
     }
 
 
-def abi(kernel: Variant | AppendKernel) -> dict:
-    """The ABI of an attention variant or an append kernel, as its
-    manifest entry carries it (JSON-ready; the ids and names are
-    abi_docs()')."""
-    if isinstance(kernel, AppendKernel):
+def abi(kernel: Variant | AppendKernel | TilesKernel) -> dict:
+    """The ABI of an attention variant, an append kernel or a tile
+    prefill, as its manifest entry carries it (JSON-ready; the ids and
+    names are abi_docs()')."""
+    if isinstance(kernel, TilesKernel):
+        decl, types, attrs = tiles_declaration(kernel.classes), tiles_types(kernel), {}
+        args = [_tensor(t, types) for t in decl.args]
+        pre, planning = ["tiles_plan"], []
+    elif isinstance(kernel, AppendKernel):
         decl, types, attrs = append_kernel(kernel), append_types(kernel), append_attrs(kernel)
         args = [_tensor(t, types) for t in decl.args]
         pre = ["append_slots", "append_in_place"] + (["append_rotary"] if kernel.rotary != "none" else [])
@@ -280,7 +323,7 @@ def abi(kernel: Variant | AppendKernel) -> dict:
     }
 
 
-def describe(kernel: Variant | AppendKernel) -> dict:
+def describe(kernel: Variant | AppendKernel | TilesKernel) -> dict:
     """abi(kernel) with every name and id spelled out: what `turbine-fmha
     inspect --abi` prints."""
     return join(abi(kernel), abi_docs())

@@ -31,6 +31,7 @@ from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_functio
 from ..core import env
 from . import signature as sig
 from .append_kernel import AppendKernel
+from .tiles_kernel import TilesKernel
 from .variants import FP8_DTYPES, UNBOUNDED, Variant
 
 _TORCH_DTYPE = {
@@ -359,6 +360,72 @@ class PagedKVAppendRotary(_PagedKVAppendOp):
     signature = sig.custom_op_signature(sig.APPEND_ROTARY, "turbine_fmha_pagedkv_append_rotary")
 
 
+def _tiles_of(kernel: sig.Kernel, tensors: list, classes: int) -> TilesKernel:
+    """The TilesKernel a call of `kernel` (tiles_declaration(classes)) with
+    these arguments runs."""
+    sym = _bind(kernel, tensors)
+    dt = tensors[0].dtype
+    torch._check(dt in _DTYPE_NAME, lambda: f"unsupported dtype {dt}")
+    k = TilesKernel(_DTYPE_NAME[dt], sym["HQ"], sym["HK"], sym["D"], sym["PG"], sym["TR"], classes)
+    types = sig.tiles_types(k)
+    for arg, t in zip(kernel.args, tensors):
+        want = _TORCH_DTYPE[types.dtypes[arg.dtype]]
+        torch._check(t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
+    return k
+
+
+class _PrefillTilesOp(CustomOp):
+    """The contiguous-tile prefill of one class count (tiles_op)."""
+
+    kernel: sig.Kernel
+    classes: int
+
+    def select(self, ksel: KernelSelection):
+        _declare_args(self.kernel, ksel)
+        k = _tiles_of(self.kernel, _ksel_values(self.kernel, ksel)[0], self.classes)
+        _select(self.kernel, ksel, sig.tiles_types(k))
+
+    def generate(self, ksel: KernelSelection, kb: KernelBuilder):
+        k = _tiles_of(self.kernel, _ksel_values(self.kernel, ksel)[0], self.classes)
+        types = sig.tiles_types(k)
+        _generate(
+            kb,
+            "prefill_tiles",
+            f"{k.name}_impl",
+            len(self.kernel.args),
+            sig=sig.mlir_header(self.kernel, list(self.kernel.args), types),
+            dt=k.dtype,
+            HQ=k.nhead_q,
+            HK=k.nhead_k,
+            G=k.group,
+            D=k.hdim,
+            PG=k.page_block_size,
+            T=k.tile,
+            NC=k.classes,
+        )
+
+
+_TILES_OPS: dict = {}
+
+
+def tiles_op(classes: int) -> type:
+    """The CustomOp class of the tile prefill with `classes` chunk classes
+    (one per count: the count sets the argument list)."""
+    cls = _TILES_OPS.get(classes)
+    if cls is None:
+        kernel = sig.tiles_declaration(classes)
+        cls = _TILES_OPS[classes] = type(
+            f"PrefillTiles{classes}",
+            (_PrefillTilesOp,),
+            {
+                "kernel": kernel,
+                "classes": classes,
+                "signature": sig.custom_op_signature(kernel, f"turbine_fmha_prefill_tiles_c{classes}"),
+            },
+        )
+    return cls
+
+
 class _Guard(CustomOp):
     """An exported program's run-time size checks (signature.GUARD_PAGED,
     GUARD_WRITE), lowered into the program before the call they guard."""
@@ -481,9 +548,17 @@ def render_append(a: AppendKernel) -> str:
     return _module(op, args, a.name, _caches_are_outputs(kernel))
 
 
-def render_variant(v: Variant | AppendKernel) -> str:
+def render_tiles(k: TilesKernel) -> str:
+    """MLIR module text for `k`, with public entry point `k.name`."""
+    kernel, types = sig.tiles_declaration(k.classes), sig.tiles_types(k)
+    return _module(_registered(tiles_op(k.classes)), [_meta(t, types) for t in kernel.args], k.name)
+
+
+def render_variant(v: Variant | AppendKernel | TilesKernel) -> str:
     """MLIR module text for `v`, with public entry point `v.name`."""
     if isinstance(v, AppendKernel):
         return render_append(v)
+    if isinstance(v, TilesKernel):
+        return render_tiles(v)
     cls = PagedKVFwdOnline if v.formulation == "online" else PagedKVFwdExplicit
     return _module(_registered(cls), example_args(v), v.name)

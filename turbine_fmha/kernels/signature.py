@@ -34,6 +34,7 @@ STATIC = {
     "explicit": frozenset({"HQ", "HK", "D", "DV", "PG"}),
     "online": frozenset({"HQ", "HK", "D", "DV", "PG", "B", "BO", "S"}),
     "append": frozenset({"HK", "D", "DV", "PG"}),
+    "tiles": frozenset({"HQ", "HK", "D", "PG", "TR"}),
 }
 
 
@@ -174,6 +175,44 @@ APPEND_ROTARY = Kernel(
     results=APPEND.results + (Tensor("q_out", ("TQ", "HQ", "D"), "KV"),),
 )
 
+
+def tiles_declaration(classes: int) -> Kernel:
+    """The contiguous-tile prefill of `classes` chunk classes
+    (mlir/prefill_tiles.mlir.jinja says what each argument holds): the
+    packed query rows, the caches, the region's slots (page, rows held),
+    the tiles' rows and each q row's tile row, per class its entries' tiles
+    and head-major chunk ids, the last blocks' mask bounds, each tile's
+    entries, and fparams = [scale]. Results: out and LSE [HQ, N]."""
+    per_class = []
+    for c in range(classes + 1):
+        per_class += [Tensor(f"tiles{c}", (f"E{c}",), "i32"), Tensor(f"chunks{c}", (f"E{c}", "HK"), "i32")]
+    return Kernel(
+        "prefill_tiles",
+        args=(
+            Tensor("q", ("QR", "HQ", "D"), "Q"),
+            Tensor("k_cache", ("NP", "PG", "HK", "D"), "Q"),
+            Tensor("v_cache", ("NP", "PG", "HK", "D"), "Q"),
+            Tensor("slots", ("KS",), "i32"),
+            Tensor("slot_rows", ("KS",), "i32"),
+            Tensor("q_rows", ("NT", "TR"), "i32"),
+            Tensor("out_rows", ("QR",), "i32"),
+            *per_class,
+            Tensor("bounds", (f"E{classes}", 2), "i32"),
+            Tensor("parts", ("NT", classes + 1), "i32"),
+            Tensor("fparams", (1,), "f32"),
+        ),
+        attrs=(),
+        results=(Tensor("out", ("QR", "HQ", "D"), "Q"), Tensor("lse", ("HQ", "QR"), "f32")),
+    )
+
+
+def tiles_types(k) -> Types:
+    """The tile declaration bound for TilesKernel `k`."""
+    dynamic = {"QR": 0, "NP": 0, "KS": 0, "NT": 0} | {f"E{c}": 0 for c in range(k.classes + 1)}
+    static = {"HQ": k.nhead_q, "HK": k.nhead_k, "D": k.hdim, "PG": k.page_block_size, "TR": k.tile}
+    return Types(_bound(dynamic | static, STATIC["tiles"]), {"Q": k.dtype, "i32": "i32", "f32": "f32"})
+
+
 # The guards an exported program runs before it touches its inputs
 # (api/exported.py). A program's sizes are fixed by nothing but its
 # arguments' buffers at run time: sizes that share one symbol when
@@ -232,7 +271,9 @@ OPTIONAL_ARGS = frozenset(a.name for a in FWD.args if a.optional)
 # it. (An int: manifests store it as one.)
 # The repr is process-independent: sets are sorted (their own order follows
 # the per-process string hash).
-_CANONICAL = repr(([(k, sorted(v)) for k, v in sorted(STATIC.items())], FWD, APPEND, APPEND_ROTARY))
+_CANONICAL = repr(
+    ([(k, sorted(v)) for k, v in sorted(STATIC.items())], FWD, APPEND, APPEND_ROTARY, tiles_declaration(1))
+)
 KERNEL_ABI = int(hashlib.sha256(_CANONICAL.encode()).hexdigest()[:12], 16)
 
 

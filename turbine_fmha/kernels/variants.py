@@ -21,6 +21,7 @@ import dataclasses
 
 from .append_kernel import AppendKernel
 from .naming import NameCodec, Named, enum, number
+from .tiles_kernel import TilesKernel
 
 # fp8 formats (ml_dtypes / MLIR names): OCP e4m3fn/e5m2 (gfx950, NVIDIA) and
 # the fnuz variants (gfx942).
@@ -475,7 +476,9 @@ def target_unsupported(variant: Variant, target_kind: str) -> str | None:
 
 
 def parse_kernel(name: str):
-    """A Variant or an AppendKernel from its name."""
+    """A Variant, an AppendKernel or a TilesKernel from its name."""
     if name.startswith("pagedkv_append_"):
         return AppendKernel.parse(name)
+    if name.startswith("prefill_tiles_"):
+        return TilesKernel.parse(name)
     return Variant.parse(name)

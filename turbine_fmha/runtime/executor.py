@@ -259,6 +259,41 @@ class Executor:
             for c in (kc, vc)
         ):
             torch_writes_done()
+        if self.plan.tiles is not None:
+            out, lse = self._run_tiles(q, kc, vc, results, out, return_lse)
+        else:
+            out, lse = self._run_parts(q, v_cache, kc, vc, results, out, return_lse, sinks)
+        if torch_results or not is_torch(like):
+            return (out, lse) if return_lse else out
+        out_t = out_tensor if out_tensor is not None else from_numpy(out, like)
+        return (out_t, from_numpy(lse, like)) if return_lse else out_t
+
+    def _run_tiles(self, q, kc, vc, results, out, return_lse):
+        """(out, LSE) of the plan's one tile-prefill call (calls/tiles.py):
+        its results are q's rows, its LSE [HQ, rows]. The region it copies
+        the keys into holds zeros past each sequence's keys, so stale rows
+        need no check."""
+        lay, t, kernel = self.p.layout, self.p.tables, self.plan.tiles_kernel
+        key = ("tiles", str(results.torch_device))
+        args = self._steps.get(key)
+        if args is None:
+            args = self._steps[key] = results.upload(list(self.plan.tiles.args))
+        qf = q.reshape((t.total_q, lay.nhead_q, lay.hdim_q))
+        qf = qf.contiguous() if is_torch(qf) else np.ascontiguousarray(qf)
+        align = self.session.binding_alignment(kernel)
+        kc, vc = (self.session.kernel_cache(c, False, self._imports, align) for c in (kc, vc))
+        o, lse = results.run(kernel, [[qf, kc, vc, *args]], 2 if return_lse else 1)[0] + (None,) * (not return_lse)
+        o = o.reshape(tuple(q.shape[:-1]) + (lay.hdim_v,))
+        if return_lse and not t.group:
+            lse = lse.reshape((lay.nhead_q, t.batch, t.seqlen_q)).swapaxes(0, 1)
+            lse = lse.contiguous() if is_torch(lse) else np.ascontiguousarray(lse)
+        if out is not None:
+            out[...] = o
+            o = out
+        return o, lse
+
+    def _run_parts(self, q, v_cache, kc, vc, results, out, return_lse, sinks):
+        """(out, LSE) of the parts' kernels."""
         v_src = v_cache if not is_torch(v_cache) else vc
         parts = [i for i, pt in enumerate(self.parts) if pt.rows]
         finite = [self._rows_finite(i, v_src, defer=True) for i in parts]
@@ -295,10 +330,7 @@ class Executor:
                 out, lse = self._launch(redo, q, kc, vc, results, given_out, return_lse, sinks=sinks)
             else:  # a mixed batch's other part was right: its rows stay
                 self._launch(redo, q, kc, vc, results, out, return_lse, lse, sinks)
-        if torch_results or not is_torch(like):
-            return (out, lse) if return_lse else out
-        out_t = out_tensor if out_tensor is not None else from_numpy(out, like)
-        return (out_t, from_numpy(lse, like)) if return_lse else out_t
+        return out, lse
 
     def _launch(self, work, q, kc, vc, results, out, return_lse, lse=None, sinks=None):
         """(out, lse) of the parts' kernels (`work`: (part index, variant));

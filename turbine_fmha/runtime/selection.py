@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..build.artifacts import ArtifactError
 from ..calls.plan import PREFILL_LAUNCH_ELEMENTS
+from ..kernels.tiles_kernel import TILE_ROWS, TILES_CLASSES, TilesKernel
 from ..kernels.variants import (
     ENTRY_ROWS,
     GPU_DECODE_TILES,
@@ -250,6 +251,31 @@ class VariantSelection:
             return False
         formulations = {v.formulation for v in self._served_by(problem)}
         return formulations == {"explicit"}
+
+    def tiles_kernel(self, dtype: str, nhead_q: int, nhead_k: int, hdim: int, page: int, classes: int):
+        """The tile prefill kernel (kernels.tiles_kernel) of the fewest
+        classes, `classes` or more, that serves these shapes: a built one,
+        else with compile_missing the one to build; None where the session
+        runs no tiles (Session's prefill_tiles) or none serves."""
+        if not getattr(self, "prefill_tiles", False):
+            return None
+        args = (dtype, nhead_q, nhead_k, hdim, page, classes)
+        return self._remembered("tiles", args, lambda: self._tiles_kernel(*args))
+
+    def _tiles_kernel(self, dtype, nhead_q, nhead_k, hdim, page, classes):
+        want = (dtype, nhead_q, nhead_k, hdim, page)
+        built = [
+            k
+            for k in (TilesKernel.parse(n) for n in self._index if n.startswith("prefill_tiles_"))
+            if (k.dtype, k.nhead_q, k.nhead_k, k.hdim, k.page_block_size, k.tile) == want + (TILE_ROWS,)
+            and k.classes >= classes
+        ]
+        if built:
+            return min(built, key=lambda k: k.classes)
+        c = next((c for c in TILES_CLASSES if c >= classes), None)
+        if self.compile_missing and c is not None and dtype in ("f16", "bf16") and TILE_ROWS % page == 0:
+            return TilesKernel(dtype, nhead_q, nhead_k, hdim, page, TILE_ROWS, c)
+        return None
 
     def _default_variant_for(
         self, problem: dict, seqlen_q: int, stale_rows_finite: bool = False, batch: int = 1, merge: int = 0

@@ -109,6 +109,13 @@ class Session(VariantSelection, DeviceInterop):
         otherwise trusted like code (README, "Trust"). `turbine-fmha build`
         prints the digest. Cannot be combined with compile_missing (the
         cache's manifest changes as it compiles).
+      prefill_tiles: bool or None (default: True on GPU targets, False on
+        the CPU). Runs compute-bound prefill calls through contiguous tiles
+        (kernels.tiles_kernel: the keys copied out of the pages once, then
+        unpaged attention over whole chunks, only the diagonal blocks
+        masked) where a built tile kernel serves the call, or
+        compile_missing builds one. On the CPU the explicit kernels are
+        faster (docs/benchmarks.md).
 
     Every problem with a manifest (unreadable, not JSON, a field missing or
     of the wrong type, an unsupported manifest_version) raises ArtifactError
@@ -127,6 +134,7 @@ class Session(VariantSelection, DeviceInterop):
         formulation: str | None = None,
         compute_units: int | None = None,
         manifest_sha256: str | Iterable[str] | None = None,
+        prefill_tiles: bool | None = None,
     ):
         from ..build.artifacts import parse_pins
 
@@ -138,6 +146,8 @@ class Session(VariantSelection, DeviceInterop):
         chosen = _checked_target(device, self.ordinal, target, given)
         if formulation not in (None, "explicit", "online"):
             raise ValueError(f"formulation must be 'explicit' or 'online', got {formulation!r}")
+        if prefill_tiles is not None and not isinstance(prefill_tiles, bool):
+            raise TypeError(f"prefill_tiles must be a bool or None, got {type(prefill_tiles).__name__}")
         self.artifact_dir = Path(artifact_dir) if artifact_dir else default_artifact_dir()
         self.compile_missing = compile_missing
         if compute_units is not None and (
@@ -181,6 +191,7 @@ class Session(VariantSelection, DeviceInterop):
         # The formulation to run: the target's own by default. Tests force
         # "online" on the CPU to execute the GPU kernels' formulation.
         self.formulation = formulation or self.target.formulation
+        self.prefill_tiles = self.target.kind != "cpu" if prefill_tiles is None else prefill_tiles
         # Entries of this target that this CPU cannot run, by directory:
         # what build_hint names.
         self._foreign: dict[str, list[str]] = {}

@@ -1,0 +1,55 @@
+"""Prefill through contiguous tiles (kernels.tiles_kernel, calls/tiles.py)
+on the GPU, against the float64 reference: ragged varlen batches (rows
+that are not whole tiles, chunked prefill over cached keys, one-row
+sequences), causal and mask-free, fp16 and bf16, numpy and torch inputs;
+and the same call with the tiles off (the paged kernels) as a second
+opinion. The CPU dry run asks for the tiles explicitly (the CPU default
+is off)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import turbine_fmha
+from turbine_fmha.kernels.tiles_kernel import TilesKernel
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+
+from .conftest import MASK, check, paged, queries, seqstart
+
+pytestmark = pytest.mark.gpu
+
+# (rows, keys) per sequence: a long causal prefill, a chunk over 2000
+# cached keys, a one-row sequence, rows just past a tile.
+RAGGED = ([1000, 300, 1, 129], [1000, 2300, 700, 129])
+SMALL = ([200, 40, 1, 129], [200, 500, 90, 129])
+
+
+@pytest.fixture(scope="module")
+def tiles(gpu):
+    return gpu.new_session(prefill_tiles=True)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("mask", [MASK, {}], ids=["causal", "none"])
+@pytest.mark.parametrize("as_torch", [False, True], ids=["numpy", "torch"])
+def test_ragged_prefill(gpu, tiles, dtype, mask, as_torch):
+    rows, keys = SMALL if gpu.dry_run else RAGGED
+    rng = np.random.default_rng(40)
+    k, v, bt, sk = paged(rng, keys, dtype=dtype)
+    q = queries(rng, sum(rows), dtype=dtype)
+    kw = dict(seqstart_q=seqstart(rows), **mask)
+    args = (q, k, v) if not as_torch or gpu.dry_run else tuple(gpu.tensor(a) for a in (q, k, v))
+    out, lse = turbine_fmha.fmha_fwd_paged(*args, bt, sk, return_lse=True, session=tiles, **kw)
+    assert isinstance(tiles.last_variant, TilesKernel), tiles.last_variant
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    check(out, ref, dtype, lse, ref_lse)
+    paged_session = gpu.new_session(prefill_tiles=False)
+    out_p = turbine_fmha.fmha_fwd_paged(q, k, v, bt, sk, session=paged_session, **kw)
+    assert not isinstance(paged_session.last_variant, TilesKernel)
+    check(out_p, ref, dtype)
+
+
+def test_gpu_sessions_run_tiles_by_default(gpu):
+    gpu.skip_on_cpu("the CPU default is the paged kernels")
+    assert gpu.session.prefill_tiles is True

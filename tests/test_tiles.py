@@ -1,0 +1,204 @@
+"""Prefill through contiguous tiles (kernels.tiles_kernel, calls/tiles.py,
+mlir/prefill_tiles.mlir.jinja): the kernel against the float64 reference
+on ragged batches, its plan's region, its clamps, and the planner and
+executor running it through the public API.
+
+The GPU targets run it by default; on the CPU it runs only where a
+session asks for it (Session(prefill_tiles=True)), as here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import CACHE, make_problem, run_and_check
+from tolerances import LSE_TOL, OUT_TOL
+
+import turbine_fmha
+from turbine_fmha.calls.tiles import MIN_ROWS, Sequence, classes_needed, tiles_plan
+from turbine_fmha.kernels.tiles_kernel import TILE_ROWS, TilesKernel
+from turbine_fmha.testing.reference import fmha_fwd_paged_ref
+
+HQ, HK, D, PG = 4, 2, 32, 16
+# A small tile keeps the kernel-level cases fast; the planner's own is TILE_ROWS.
+T, NC = 32, 3
+CAUSAL = dict(mask_type="bottom_right", window_size_right=0)
+
+
+@pytest.fixture(scope="module")
+def tiles_session():
+    return turbine_fmha.Session(
+        "cpu", compile_missing=True, cache_dir=CACHE, artifact_dir=CACHE / "none", prefill_tiles=True
+    )
+
+
+def _paged(rng, spec, spare=3):
+    """Caches, per-sequence pages and a varlen q for [(rows, keys)]: pages
+    shuffled, spare pages NaN, and every row past a sequence's keys in its
+    last page NaN in V and +Inf in K, so that any read of one shows."""
+    used = [-(-k // PG) for _, k in spec]
+    npages = sum(used) + spare
+    kc = rng.standard_normal((npages, PG, HK, D)).astype(np.float16)
+    vc = rng.standard_normal((npages, PG, HK, D)).astype(np.float16)
+    perm = rng.permutation(npages)
+    seqs, q0, i = [], 0, 0
+    for (rows, keys), n in zip(spec, used):
+        pages = perm[i : i + n]
+        i += n
+        kc[pages[-1], keys - (n - 1) * PG :] = np.inf
+        vc[pages[-1], keys - (n - 1) * PG :] = np.nan
+        seqs.append(Sequence(q0, rows, keys, pages))
+        q0 += rows
+    kc[perm[i:]] = np.nan
+    vc[perm[i:]] = np.nan
+    q = rng.standard_normal((q0, HQ, D)).astype(np.float16)
+    return q, kc, vc, seqs
+
+
+def _reference(q, kc, vc, seqs, mask):
+    width = max(len(s.pages) for s in seqs)
+    table = np.zeros((len(seqs), width), np.int32)
+    for b, s in enumerate(seqs):
+        table[b, : len(s.pages)] = s.pages
+    seqstart = np.cumsum([0] + [s.rows for s in seqs])
+    seqlen_k = np.array([s.keys for s in seqs], np.int32)
+    causal = {} if mask == "none" else dict(window_size_right=0)
+    return fmha_fwd_paged_ref(q, kc, vc, table, seqlen_k, seqstart_q=seqstart, mask_type=mask, **causal)
+
+
+def _check(out, lse, ref, ref_lse):
+    assert np.isfinite(out.astype(np.float64)).all()
+    err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+    assert err <= OUT_TOL["f16"], err
+    assert np.abs(lse - ref_lse).max() <= LSE_TOL["f16"]
+
+
+# (mask, [(rows, keys)]): ragged, chunked (cached keys first), rows that
+# are not whole tiles, a sequence of one row, one whose prefix needs every
+# class (T * 2^NC - 1 keys before its last tile), and mask-free ones whose
+# keys end mid-block and on a block.
+CASES = [
+    ("bottom_right", [(40, 40), (7, 100), (70, 200), (1, 33)]),
+    ("bottom_right", [(T, T * 2**NC)]),
+    ("top_left", [(50, 90), (32, 32), (3, 64)]),
+    ("none", [(33, 33), (5, 77), (64, 64)]),
+]
+
+
+@pytest.mark.parametrize("mask, spec", CASES, ids=[f"{m}-{len(s)}" for m, s in CASES])
+def test_kernel_matches_the_reference(tiles_session, rng, mask, spec):
+    q, kc, vc, seqs = _paged(rng, spec)
+    assert classes_needed(seqs, mask, T) <= NC
+    plan = tiles_plan(seqs, q.shape[0], mask, PG, T, NC, HK, 1 / np.sqrt(D))
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, NC)
+    (out, lse) = tiles_session.run_variants(kernel, [[q, kc, vc, *plan.args]])[0]
+    _check(out, lse, *_reference(q, kc, vc, seqs, mask))
+
+
+def test_empty_classes_and_no_last_block(tiles_session, rng):
+    """Mask-free keys that end on a block: the masked class has no entry,
+    nor do the classes the prefix leaves out."""
+    q, kc, vc, seqs = _paged(rng, [(20, 2 * T)])
+    plan = tiles_plan(seqs, q.shape[0], "none", PG, T, NC, HK, 1 / np.sqrt(D))
+    sizes = [a.shape[0] for a in plan.args[4:-3:2]]
+    assert sizes == [0, 1, 0, 0], sizes
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, NC)
+    (out, lse) = tiles_session.run_variants(kernel, [[q, kc, vc, *plan.args]])[0]
+    _check(out, lse, *_reference(q, kc, vc, seqs, "none"))
+
+
+def test_the_region_holds_each_key_once(rng):
+    """Each sequence's keys are laid out once, whatever the chunks that
+    read them: the region is the keys' blocks, no alignment gaps."""
+    spec = [(512, 8704), (512, 8704), (300, 1000), (129, 129)]
+    seqs = [Sequence(0, r, k, np.arange(-(-k // PG))) for r, k in spec]
+    plan = tiles_plan(seqs, 2000, "bottom_right", PG, 128, 7, HK, 1.0)
+    assert plan.args[0].shape[0] * PG == sum(-(-k // 128) * 128 for _, k in spec)
+
+
+def test_no_argument_reads_outside_its_tensor(tiles_session, rng):
+    """Ids out of range (pages, tiles, chunks, parts, rows) are clamped:
+    the call completes with finite output."""
+    q, kc, vc, seqs = _paged(rng, [(40, 40)], spare=0)
+    plan = tiles_plan(seqs, q.shape[0], "bottom_right", PG, T, NC, HK, 1 / np.sqrt(D))
+    args = [a.copy() for a in plan.args]
+    kc[...] = 0.5
+    vc[...] = 1.0
+    huge = np.iinfo(np.int32)
+    args[0][:] = [huge.max, -7, 10**6][: args[0].size] + [0] * max(0, args[0].size - 3)
+    args[2][0, 0], args[3][0] = huge.max, huge.min
+    for a in args[4:-3]:
+        a[...] = huge.max if a.size % 2 else -5
+    args[-2][...] = 1000
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, NC)
+    (out, _) = tiles_session.run_variants(kernel, [[q, kc, vc, *args]])[0]
+    assert np.isfinite(out.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [CAUSAL, dict(mask_type="top_left", window_size_right=0), dict(mask_type="bottom_right"), {}],
+    ids=["causal", "top_left", "no_right_edge", "none"],
+)
+def test_the_planner_runs_prefill_in_tiles(tiles_session, rng, mask):
+    """A prefill through the public API: one tile-kernel call, results as
+    the reference's (batch mode: the LSE rearranged to [B, HQ, S])."""
+    problem = make_problem(
+        rng,
+        dtype="f16",
+        batch=2,
+        seqlen_q=TILE_ROWS + 3,
+        seqlens_k=[TILE_ROWS + 3, 300],
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        page=PG,
+    )
+    run_and_check(tiles_session, problem, dtype="f16", **mask)
+    assert isinstance(tiles_session.last_variant, TilesKernel)
+
+
+def test_varlen_prefill_in_tiles_writes_out(tiles_session, rng):
+    """Group mode with a given out: the rows land in it."""
+    lens, keys = [MIN_ROWS, 2, 150], [MIN_ROWS, 2 + 4 * PG, 150]
+    q, kc, vc, table, seqlen_k = make_problem(
+        rng, dtype="f16", batch=3, seqlen_q=1, seqlens_k=keys, nhead_q=HQ, nhead_k=HK, hdim=D, page=PG
+    )
+    q = rng.standard_normal((sum(lens), HQ, D)).astype(np.float16)
+    seqstart = np.cumsum([0] + lens)
+    out = np.full_like(q, np.nan)
+    kw = dict(seqstart_q=seqstart, **CAUSAL)
+    got, lse = turbine_fmha.fmha_fwd_paged(
+        q, kc, vc, table, seqlen_k, out=out, return_lse=True, session=tiles_session, **kw
+    )
+    assert got is out and isinstance(tiles_session.last_variant, TilesKernel)
+    _check(out, lse, *fmha_fwd_paged_ref(q, kc, vc, table, seqlen_k, **kw))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(CAUSAL, window_size_left=8), dict(logits_soft_cap=5.0), dict(kv_layout="HND")],
+    ids=["window", "softcap", "hnd"],
+)
+def test_what_the_tiles_do_not_serve_runs_as_before(tiles_session, rng, kw):
+    hnd = kw.get("kv_layout") == "HND"
+    q, kc, vc, table, seqlen_k = make_problem(
+        rng,
+        dtype="f16",
+        batch=1,
+        seqlen_q=TILE_ROWS,
+        seqlens_k=[TILE_ROWS],
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        page=PG,
+    )
+    if hnd:
+        kc, vc = (np.ascontiguousarray(c.transpose(0, 2, 1, 3)) for c in (kc, vc))
+    run_and_check(tiles_session, (q, kc, vc, table, seqlen_k), dtype="f16", **kw)
+    assert not isinstance(tiles_session.last_variant, TilesKernel)
+
+
+def test_sessions_choose_tiles_on_gpus_only():
+    assert turbine_fmha.Session("cpu", artifact_dir=CACHE / "none").prefill_tiles is False
+    with pytest.raises(TypeError, match="prefill_tiles"):
+        turbine_fmha.Session("cpu", artifact_dir=CACHE / "none", prefill_tiles="yes")

@@ -1,0 +1,177 @@
+"""The contiguous-tile prefill's plan (kernels.tiles_kernel.TilesKernel,
+mlir/prefill_tiles.mlir.jinja): a pure function of the tables.
+
+Query rows are cut into tiles of T rows by key position (row r of a
+sequence with `shift` = its first row's position sits at shift + r), so a
+causal tile k sees keys [0, kT) whole and its own block [kT, kT + T)
+causally. Its prefix of p = k blocks is cut by the binary digits of p:
+digit b set gives one chunk of 2^b blocks at ((p >> (b + 1)) << (b + 1)) * T,
+an entry of class b. The last block is an entry of the masked class.
+Without a mask, every tile of a sequence sees its floor(K / T) whole blocks
+the same way and the remainder as its masked block.
+
+The keys the entries read are laid out in one region: per sequence, the
+largest intervals its entries read (dyadic, so any two are nested or
+apart), all sequences' sorted by length, longest first, so that each
+starts at a multiple of its length and every entry's chunk is a whole
+chunk of the region viewed as chunks of its class's length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# The masks the tiles serve (calls/mask.MaskSpec kinds without a window).
+TILE_MASKS = ("none", "top_left", "bottom_right")
+# A part runs in tiles from this many query rows (its longest sequence's).
+MIN_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """One sequence of a call: its q rows start at flat row `q_start`."""
+
+    q_start: int
+    rows: int
+    keys: int
+    pages: np.ndarray  # its block-table row (page ids, in key order)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilesPlan:
+    classes: int  # the kernel's chunk classes (TilesKernel.classes)
+    tile: int
+    rows: int  # q's flat rows
+    # The kernel's arguments after q, k_cache and v_cache, in
+    # signature.tiles_declaration's order.
+    args: tuple
+
+
+def shift_of(mask: str, rows: int, keys: int) -> int | None:
+    """The key position of a sequence's first row (None: no mask)."""
+    if mask == "none":
+        return None
+    return keys - rows if mask == "bottom_right" else 0
+
+
+def classes_needed(seqs: list[Sequence], mask: str, tile: int) -> int | None:
+    """The chunk classes a call's longest prefix needs, or None where the
+    tiles cannot serve it: a causal row that sees no key, or past them."""
+    need = 0
+    for s in seqs:
+        shift = shift_of(mask, s.rows, s.keys)
+        if shift is None:
+            top = s.keys // tile
+        elif shift < 0 or shift + s.rows > s.keys:
+            return None
+        else:
+            top = (shift + s.rows - 1) // tile
+        need = max(need, top.bit_length())
+    return max(need, 1)
+
+
+def _tiles(s: Sequence, mask: str, tile: int):
+    """(q row of each tile row, which rows are real, prefix blocks, last
+    block (start, off, lim) or None) per tile of sequence `s`; padding rows
+    repeat its first row."""
+    shift = shift_of(mask, s.rows, s.keys)
+    out = []
+    if shift is None:
+        p = s.keys // tile
+        rem = s.keys - p * tile
+        last = (p * tile, tile, rem) if rem else None
+        for k in range(-(-s.rows // tile)):
+            r = np.arange(k * tile, (k + 1) * tile)
+            out.append((np.where(r < s.rows, r, 0) + s.q_start, r < s.rows, p, last))
+        return out
+    for k in range(shift // tile, (shift + s.rows - 1) // tile + 1):
+        r = np.arange(k * tile, (k + 1) * tile) - shift
+        real = (r >= 0) & (r < s.rows)
+        out.append((np.where(real, r, 0) + s.q_start, real, k, (k * tile, 0, min(tile, s.keys - k * tile))))
+    return out
+
+
+def _prefix_chunks(p: int, tile: int):
+    """(class, start, length) of the chunks that cut a prefix of p blocks."""
+    return [(b, ((p >> (b + 1)) << (b + 1)) * tile, tile << b) for b in range(p.bit_length()) if p >> b & 1]
+
+
+def tiles_plan(
+    seqs: list[Sequence], rows: int, mask: str, page: int, tile: int, classes: int, nhead_k: int, scale: float
+) -> TilesPlan:
+    """The kernel's arguments for `seqs` (their q rows among `rows`)."""
+    if mask not in TILE_MASKS:
+        raise ValueError(f"the tiles serve masks {TILE_MASKS}, got {mask!r}")
+    if tile % page:
+        raise ValueError(f"the tile ({tile} rows) must be a multiple of the page ({page})")
+    # Per tile: (its sequence, q rows, [(class, start, length, off, lim)]).
+    tiles, used = [], [dict() for _ in seqs]
+    for i, s in enumerate(seqs):
+        for qrows, real, p, last in _tiles(s, mask, tile):
+            if p >= 1 << classes:
+                raise ValueError(f"a prefix of {p} tiles needs more than {classes} classes")
+            ent = [(b, start, length, 0, 0) for b, start, length in _prefix_chunks(p, tile)]
+            if last is not None:
+                ent.append((classes, last[0], tile, last[1], last[2]))
+            for _, start, length, _, _ in ent:
+                used[i][(start, length)] = True
+            tiles.append((i, qrows, real, ent))
+    # The largest intervals of each sequence, placed longest first.
+    top = []
+    for i, iv in enumerate(used):
+        chosen: dict[int, set] = {}
+        for start, length in sorted(iv, key=lambda x: -x[1]):
+            if not any(start // big * big in chosen[big] for big in chosen if big >= length):
+                chosen.setdefault(length, set()).add(start)
+        top += [(length, i, start) for length, starts in chosen.items() for start in starts]
+    top.sort(key=lambda x: (-x[0], x[1], x[2]))
+    base, where = 0, {}
+    for length, i, start in top:
+        where.setdefault(i, []).append((start, length, base))
+        base += length
+    total = base
+    slots = np.zeros(total // page, np.int32)
+    slot_rows = np.zeros(total // page, np.int32)
+    for i, placed in where.items():
+        s = seqs[i]
+        for start, length, b in placed:
+            for j in range(length // page):
+                key = start + j * page
+                pi = key // page
+                slots[b // page + j] = s.pages[pi] if pi < len(s.pages) else 0
+                slot_rows[b // page + j] = min(max(s.keys - key, 0), page)
+
+    def loc(i: int, start: int, length: int) -> int:
+        for a, al, b in where[i]:
+            if a <= start and start + length <= a + al:
+                return b + start - a
+        raise AssertionError("an interval outside its sequence's region")
+
+    per_class = [[] for _ in range(classes + 1)]
+    bounds = []
+    for t, (i, _, _, ent) in enumerate(tiles):
+        for c, start, length, off, lim in ent:
+            per_class[c].append((t, loc(i, start, length) // length))
+            if c == classes:
+                bounds.append((off, lim))
+    parts = np.full((len(tiles), classes + 1), -1, np.int32)
+    # q rows of no sequence read tile row 0 (their output is the caller's).
+    out_rows = np.zeros(rows, np.int32)
+    for t, (_, qrows, real, _) in enumerate(tiles):
+        out_rows[qrows[real]] = t * tile + np.flatnonzero(real)
+    args = [slots, slot_rows, np.stack([q for _, q, _, _ in tiles]).astype(np.int32), out_rows]
+    e0 = 0
+    hk = np.arange(nhead_k, dtype=np.int64)
+    for c, ent in enumerate(per_class):
+        length = tile if c == classes else tile << c
+        nch = total // length
+        tl = np.array([t for t, _ in ent], np.int32)
+        ch = np.array([[h * nch + j for h in hk] for _, j in ent], np.int32).reshape(len(ent), nhead_k)
+        args += [tl, ch]
+        for k, (t, _) in enumerate(ent):
+            parts[t, c] = e0 + k
+        e0 += len(ent)
+    args += [np.array(bounds, np.int32).reshape(-1, 2), parts, np.array([scale], np.float32)]
+    return TilesPlan(classes, tile, rows, tuple(args))
