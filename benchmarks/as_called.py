@@ -401,6 +401,9 @@ class DeviceLoop:
 
         if attn._plan.plan.mixed:
             raise NotImplementedError("device time of a mixed batch")
+        if attn._plan.plan.tiles is not None:
+            self._tiles(session, attn._plan.plan, case)
+            return
         plan = attn._plan.parts[0]
         self.plan, self.session = plan, session
         self.variant = attn._plan.variant(0, plan.guard_free)  # what run() with kv_rows_finite=True selects
@@ -429,6 +432,24 @@ class DeviceLoop:
         self.last = []
         self.q_shape, self.q_dtype = q.shape, q.dtype
 
+    def _tiles(self, session, plan, case: Case):
+        """The one call of a prefill through contiguous tiles."""
+        import iree.runtime as rt
+
+        dev = session.device_of()
+        q = np.ascontiguousarray(as_numpy(case.q))
+        self.variant, self.split, self.plan, self.steps = plan.tiles_kernel, False, None, [None]
+        if case.device == "cuda":
+            kd, vd = session.import_torch(case.k), session.import_torch(case.v)
+        else:
+            kd, vd = (session.device_array(np.ascontiguousarray(as_numpy(a))) for a in (case.k, case.v))
+        qf = q.reshape((-1,) + q.shape[-2:])
+        self.calls = [[rt.asdevicearray(dev, qf), kd, vd, *[rt.asdevicearray(dev, a) for a in plan.tiles.args]]]
+        self.loaded = session._load(self.variant)
+        self.chain = session.device == "cpu"
+        self.last = []
+        self.q_shape, self.q_dtype = q.shape, q.dtype
+
     def __call__(self):
         prev = self.last[-1] if self.last and self.chain else None
         self.last.clear()
@@ -445,6 +466,8 @@ class DeviceLoop:
         self.wait()
         b, rows, hq, dv = self.q_shape
         plan = self.plan
+        if plan is None:  # the tiles' one call: q's rows
+            return self.last[0].results(1)[0].to_host().reshape(self.q_shape)
         n = plan.call.batch
         if self.split:
             dst = [np.empty((n, rows, hq, dv), self.q_dtype)] + [np.empty((n, hq, rows), np.float32) for _ in range(3)]
@@ -595,7 +618,7 @@ def bench_row(session, case: Case, args) -> dict:
         variant_device=loop.variant.name,
         kernel_calls=len(loop.steps),
         num_splits=attn_f._plan.parts[0].splits,
-        merged_in_module=bool(loop.variant.merge_splits),
+        merged_in_module=bool(getattr(loop.variant, "merge_splits", 0)),
         calls_per_round=calls,
         device_calls_per_round=per_name["device"],
         rounds=args.rounds,
@@ -989,6 +1012,7 @@ def make_session(args, compile_missing=None):
         artifact_dir=artifacts,
         compile_missing=compile_missing,
         cache_dir=args.cache_dir if compile_missing else None,
+        prefill_tiles={"on": True, "off": False}.get(args.prefill_tiles),
     )
 
 
@@ -1100,6 +1124,12 @@ def main() -> int:
     )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--prefill-tiles",
+        choices=["on", "off", "default"],
+        default="default",
+        help="Session(prefill_tiles=): prefill through contiguous tiles (default: the target's own, on for GPUs)",
+    )
     ap.add_argument("--json", default=None, help="write the rows here (default $OUT/as_called.json when $OUT is set)")
     ap.add_argument("--list-variants", action="store_true", help="print the variants the rows select, run nothing")
     ap.add_argument("--hf", action="store_true", help="also time a Llama-shaped HF model step (needs transformers)")

@@ -20,7 +20,7 @@ from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 HQ, HK, D, PG = 4, 2, 32, 16
 # A small tile keeps the kernel-level cases fast; the planner's own is TILE_ROWS.
-T, NC = 32, 3
+T = 32
 CAUSAL = dict(mask_type="bottom_right", window_size_right=0)
 
 
@@ -73,37 +73,40 @@ def _check(out, lse, ref, ref_lse):
 
 
 # (mask, [(rows, keys)]): ragged, chunked (cached keys first), rows that
-# are not whole tiles, a sequence of one row, one whose prefix needs every
-# class (T * 2^NC - 1 keys before its last tile), and mask-free ones whose
-# keys end mid-block and on a block.
+# are not whole tiles, a sequence of one row; chunks whose digits leave
+# classes empty (filled by splitting a longer chunk); one tile (no class
+# but the masked one); mask-free keys that end mid-block and on a block.
 CASES = [
     ("bottom_right", [(40, 40), (7, 100), (70, 200), (1, 33)]),
-    ("bottom_right", [(T, T * 2**NC)]),
+    ("bottom_right", [(64, 64 + 8 * T), (5, 5)]),
+    ("bottom_right", [(20, 20)]),
     ("top_left", [(50, 90), (32, 32), (3, 64)]),
-    ("none", [(33, 33), (5, 77), (64, 64)]),
+    ("none", [(33, 33), (5, 77), (64, 64), (20, 2 * T)]),
 ]
 
 
-@pytest.mark.parametrize("mask, spec", CASES, ids=[f"{m}-{len(s)}" for m, s in CASES])
+@pytest.mark.parametrize("mask, spec", CASES, ids=[f"{m}-{len(s)}x{max(k for _, k in s)}" for m, s in CASES])
 def test_kernel_matches_the_reference(tiles_session, rng, mask, spec):
     q, kc, vc, seqs = _paged(rng, spec)
-    assert classes_needed(seqs, mask, T) <= NC
-    plan = tiles_plan(seqs, q.shape[0], mask, PG, T, NC, HK, 1 / np.sqrt(D))
-    kernel = TilesKernel("f16", HQ, HK, D, PG, T, NC)
+    nc = classes_needed(seqs, mask, T)
+    plan = tiles_plan(seqs, q.shape[0], mask, PG, T, nc, HK, 1 / np.sqrt(D))
+    # No class is empty: a GPU allocates no empty tensor.
+    assert all(a.shape[0] for a in plan.args[4:-3:2]), [a.shape[0] for a in plan.args[4:-3:2]]
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
     (out, lse) = tiles_session.run_variants(kernel, [[q, kc, vc, *plan.args]])[0]
     _check(out, lse, *_reference(q, kc, vc, seqs, mask))
 
 
-def test_empty_classes_and_no_last_block(tiles_session, rng):
-    """Mask-free keys that end on a block: the masked class has no entry,
-    nor do the classes the prefix leaves out."""
-    q, kc, vc, seqs = _paged(rng, [(20, 2 * T)])
-    plan = tiles_plan(seqs, q.shape[0], "none", PG, T, NC, HK, 1 / np.sqrt(D))
-    sizes = [a.shape[0] for a in plan.args[4:-3:2]]
-    assert sizes == [0, 1, 0, 0], sizes
-    kernel = TilesKernel("f16", HQ, HK, D, PG, T, NC)
-    (out, lse) = tiles_session.run_variants(kernel, [[q, kc, vc, *plan.args]])[0]
-    _check(out, lse, *_reference(q, kc, vc, seqs, "none"))
+def test_classes_the_digits_leave_empty_take_split_chunks():
+    """Two tiles see a prefix of 8 blocks (one chunk of class 3), one of
+    them a block more (class 0): one tile's chunk is split for classes 2
+    and 1 (4 blocks, then 2 and 2); with one such tile, no chunk can be
+    spared, and classes 0-2 get dummy entries (7 blocks of 9 wasted)."""
+    for rows, sizes, waste in ((2 * T, [1, 2, 1, 1, 2], 0.0), (T, [1, 1, 1, 1, 1], 7 / 9)):
+        seqs = [Sequence(0, rows, 8 * T + rows, np.arange((8 * T + rows) // PG))]
+        plan = tiles_plan(seqs, rows, "bottom_right", PG, T, 4, HK, 1.0)
+        assert [a.shape[0] for a in plan.args[4:-3:2]] == sizes
+        assert plan.waste == pytest.approx(waste)
 
 
 def test_the_region_holds_each_key_once(rng):
@@ -118,8 +121,9 @@ def test_the_region_holds_each_key_once(rng):
 def test_no_argument_reads_outside_its_tensor(tiles_session, rng):
     """Ids out of range (pages, tiles, chunks, parts, rows) are clamped:
     the call completes with finite output."""
-    q, kc, vc, seqs = _paged(rng, [(40, 40)], spare=0)
-    plan = tiles_plan(seqs, q.shape[0], "bottom_right", PG, T, NC, HK, 1 / np.sqrt(D))
+    q, kc, vc, seqs = _paged(rng, [(40, 40 + 4 * T)], spare=0)
+    nc = classes_needed(seqs, "bottom_right", T)
+    plan = tiles_plan(seqs, q.shape[0], "bottom_right", PG, T, nc, HK, 1 / np.sqrt(D))
     args = [a.copy() for a in plan.args]
     kc[...] = 0.5
     vc[...] = 1.0
@@ -129,7 +133,7 @@ def test_no_argument_reads_outside_its_tensor(tiles_session, rng):
     for a in args[4:-3]:
         a[...] = huge.max if a.size % 2 else -5
     args[-2][...] = 1000
-    kernel = TilesKernel("f16", HQ, HK, D, PG, T, NC)
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
     (out, _) = tiles_session.run_variants(kernel, [[q, kc, vc, *args]])[0]
     assert np.isfinite(out.astype(np.float32)).all()
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine (torch, no IREE), from the repository root, carrying
-# build/gpu-tests/wheels, build/roof, build/prefill-tiles and artifacts-cuda
-# (built here by benchmarks/roof.py --build build/roof,
-# benchmarks/prefill_tiles.py --build build/prefill-tiles and
-# benchmarks/build_cuda_subset.py): the prefill through contiguous tiles
-# beside IREE's roof and today's paged prefill, in one command on one GPU.
-# TILES names another --build folder (a subset, to stay within the carry).
+# build/gpu-tests/wheels, build/roof and artifacts-cuda (built here by
+# benchmarks/roof.py --build build/roof and benchmarks/build_cuda_subset.py),
+# and optionally a benchmarks/prefill_tiles.py --build folder (TILES, with
+# ONLY its modules to run): the library's prefill through contiguous
+# tiles (Session prefill_tiles on) beside the paged prefill (off) as a
+# user calls them, and IREE's roof before and after, in one command on
+# one GPU. Extra arguments go to as_called.py.
 set -euo pipefail
 site=/tmp/prefill-tiles-site
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
@@ -13,6 +14,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 benchmarks/roof.py --run build/roof
-python3 benchmarks/prefill_tiles.py --run "${TILES:-build/prefill-tiles}" --only "${ONLY:-}"
+if [ -n "${TILES:-}" ]; then
+    python3 benchmarks/prefill_tiles.py --run "$TILES" --only "${ONLY:-}"
+fi
+shapes=(--shape prefill:1x4096 --shape prefill:4x1024 --shape chunked:4x512+8192
+    --shape prefill:1x1024 --shape prefill:1x512 --shape prefill:8x256 --shape prefill:1x128)
+for tiles in off on; do
+    python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --prefill-tiles "$tiles" \
+        "${shapes[@]}" --rounds 5 ${OUT:+--json "$OUT/as_called_tiles_$tiles.json"} "$@"
+done
 python3 benchmarks/roof.py --run build/roof
-python3 benchmarks/as_called.py --device cuda --artifacts artifacts-cuda --shape prefill:1x4096 --shape prefill:4x1024 --shape chunked:4x512+8192 --rounds 5 "$@"

@@ -33,7 +33,25 @@ VARIANTS = (
     "pagedkv_fwd_f16_d128x128_h32x8_pg16_nmask_lse_online_b128_q1_nvguard_m16_x4",
     "pagedkv_fwd_f16_d128x128_h32x8_pg64_nmask_lse_online_b128_q1_nvguard_m16_x4",
 )
+# The prefill tile kernels (kernels.tiles_kernel): each chunk class is an
+# attention dispatch of its own, reported one row each.
+TILES = (
+    "prefill_tiles_f16_h32x8_d128_pg16_t128_c5",
+    "prefill_tiles_bf16_h32x8_d128_pg16_t128_c5",
+)
 TARGETS = ("gfx942", "gfx950")
+
+
+def _tile_rows(target: str, label: str, report: dict) -> list[dict]:
+    """One row per attention dispatch of a tile kernel (a loop with MFMA)."""
+    out = []
+    for k in report["kernels"]:
+        loop = k.get("loop") or {}
+        if not loop.get("mfma"):
+            continue
+        one = dict(report, main_loop=dict(loop, kernel=k["name"]), attention_config="")
+        out.append(_row(target, f"{label}: {k['name'].split('_dispatch_')[-1][:40]}", one))
+    return out
 
 
 def _row(target: str, label: str, report: dict) -> dict:
@@ -58,6 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--tiles-only", action="store_true", help="only the prefill tile kernels (TILES)")
     args = ap.parse_args()
     import tempfile
 
@@ -72,6 +91,14 @@ def main() -> int:
         out = Path(tmp) / "x.vmfb"
         for name in args.targets.split(","):
             target = targets.TARGETS[name]
+            first = len(rows)
+            for v in TILES:
+                _, report, _ = compiler.compile_one(kernels.render_variant(parse_kernel(v)), v, out, target)
+                rows += _tile_rows(name, v, report)
+            if args.tiles_only:
+                for r in rows[first:]:
+                    print(json.dumps(r), flush=True)
+                continue
             for v in VARIANTS:
                 _, report, _ = compiler.compile_one(kernels.render_variant(parse_kernel(v)), v, out, target)
                 rows.append(_row(name, v, report))
@@ -82,7 +109,7 @@ def main() -> int:
                 t = dataclasses.replace(target, flags=tuple(target.flags) + extra)
                 _, report, _ = compiler.compile_one(roof.mlir(), roof.NAME, out, t)
                 rows.append(_row(name, f"roof: static attention 32x4096x4096x128 f16 ({tag})", report))
-            for r in rows[-len(VARIANTS) - 2 :]:
+            for r in rows[first:]:
                 print(json.dumps(r), flush=True)
     cols = (
         "mfma",

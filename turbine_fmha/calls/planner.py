@@ -61,7 +61,7 @@ from .plan import (
     window_keys,
 )
 from .problem import Problem
-from .tiles import MIN_ROWS, Sequence, TilesPlan, classes_needed, tiles_plan
+from .tiles import MAX_WASTE, MIN_ROWS, Sequence, TilesPlan, classes_needed, tiles_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +186,7 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part):
         return None
     scale = s.scale * s.q_scale * s.k_scale
     plan = tiles_plan(seqs, t.total_q, mask, lay.page_block_size, kernel.tile, kernel.classes, lay.nhead_k, scale)
-    return plan, kernel
+    return (plan, kernel) if plan.waste <= MAX_WASTE else None
 
 
 def _part(p: Problem, catalog, policy: Policy, active: np.ndarray) -> Part:

@@ -7,8 +7,15 @@ causal tile k sees keys [0, kT) whole and its own block [kT, kT + T)
 causally. Its prefix of p = k blocks is cut by the binary digits of p:
 digit b set gives one chunk of 2^b blocks at ((p >> (b + 1)) << (b + 1)) * T,
 an entry of class b. The last block is an entry of the masked class.
-Without a mask, every tile of a sequence sees its floor(K / T) whole blocks
-the same way and the remainder as its masked block.
+Without a mask, every tile of a sequence sees its first (K - 1) // T
+blocks the same way, and the rest (1 to T keys) as its masked block.
+
+No class may be empty (IREE's CUDA driver allocates no empty buffer):
+the kernel has as many classes as the longest prefix has digits, and a
+class no digit fills takes pieces of a longer chunk split down to it
+(the same keys, more entries to merge), or, where no chunk can be
+spared, a dummy entry that no tile merges (its cost is the plan's
+`waste`).
 
 The keys the entries read are laid out in one region: per sequence, the
 largest intervals its entries read (dyadic, so any two are nested or
@@ -25,8 +32,10 @@ import numpy as np
 
 # The masks the tiles serve (calls/mask.MaskSpec kinds without a window).
 TILE_MASKS = ("none", "top_left", "bottom_right")
-# A part runs in tiles from this many query rows (its longest sequence's).
+# A part runs in tiles from this many query rows (its longest sequence's),
+# and where dummy entries add at most this share of its work.
 MIN_ROWS = 64
+MAX_WASTE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,8 @@ class TilesPlan:
     classes: int  # the kernel's chunk classes (TilesKernel.classes)
     tile: int
     rows: int  # q's flat rows
+    # Score elements (per head) of the dummy entries, over the entries'.
+    waste: float
     # The kernel's arguments after q, k_cache and v_cache, in
     # signature.tiles_declaration's order.
     args: tuple
@@ -57,19 +68,22 @@ def shift_of(mask: str, rows: int, keys: int) -> int | None:
 
 
 def classes_needed(seqs: list[Sequence], mask: str, tile: int) -> int | None:
-    """The chunk classes a call's longest prefix needs, or None where the
-    tiles cannot serve it: a causal row that sees no key, or past them."""
+    """The chunk classes of a call (its longest prefix's binary digits), or
+    None where the tiles cannot serve it: a sequence without keys, or a
+    causal row that sees none, or past them."""
     need = 0
     for s in seqs:
         shift = shift_of(mask, s.rows, s.keys)
+        if s.keys <= 0:
+            return None
         if shift is None:
-            top = s.keys // tile
+            top = (s.keys - 1) // tile
         elif shift < 0 or shift + s.rows > s.keys:
             return None
         else:
             top = (shift + s.rows - 1) // tile
         need = max(need, top.bit_length())
-    return max(need, 1)
+    return need
 
 
 def _tiles(s: Sequence, mask: str, tile: int):
@@ -79,9 +93,8 @@ def _tiles(s: Sequence, mask: str, tile: int):
     shift = shift_of(mask, s.rows, s.keys)
     out = []
     if shift is None:
-        p = s.keys // tile
-        rem = s.keys - p * tile
-        last = (p * tile, tile, rem) if rem else None
+        p = (s.keys - 1) // tile
+        last = (p * tile, tile, s.keys - p * tile)
         for k in range(-(-s.rows // tile)):
             r = np.arange(k * tile, (k + 1) * tile)
             out.append((np.where(r < s.rows, r, 0) + s.q_start, r < s.rows, p, last))
@@ -96,6 +109,46 @@ def _tiles(s: Sequence, mask: str, tile: int):
 def _prefix_chunks(p: int, tile: int):
     """(class, start, length) of the chunks that cut a prefix of p blocks."""
     return [(b, ((p >> (b + 1)) << (b + 1)) * tile, tile << b) for b in range(p.bit_length()) if p >> b & 1]
+
+
+def _fill_classes(tiles: list, classes: int, tile: int) -> list[int]:
+    """Gives every class below `classes` an entry where a chunk can be
+    split for it: an empty class c takes one chunk of the smallest longer
+    class k that has two or more (so k keeps one), split into pieces of
+    classes k - 1, ..., c and c again, each at a multiple of its length,
+    within the tile's classes + 1 entries. Returns the classes left
+    empty: each gets a dummy entry that no tile merges."""
+    dummies = []
+    for c in range(classes - 1, -1, -1):
+        counts = [0] * classes
+        for _, _, _, ent in tiles:
+            for e in ent:
+                if e[0] < classes:
+                    counts[e[0]] += 1
+        if counts[c]:
+            continue
+        donor = next(
+            (
+                (ent, j)
+                for k in range(c + 1, classes)
+                if counts[k] >= 2
+                for _, _, _, ent in tiles
+                if len(ent) + k - c <= classes + 1
+                for j, e in enumerate(ent)
+                if e[0] == k
+            ),
+            None,
+        )
+        if donor is None:
+            dummies.append(c)
+            continue
+        ent, j = donor
+        k, start, _, _, _ = ent.pop(j)
+        for b in list(range(k - 1, c - 1, -1)) + [c]:
+            ent.insert(j, (b, start, tile << b, 0, 0))
+            start += tile << b
+            j += 1
+    return dummies
 
 
 def tiles_plan(
@@ -113,11 +166,12 @@ def tiles_plan(
             if p >= 1 << classes:
                 raise ValueError(f"a prefix of {p} tiles needs more than {classes} classes")
             ent = [(b, start, length, 0, 0) for b, start, length in _prefix_chunks(p, tile)]
-            if last is not None:
-                ent.append((classes, last[0], tile, last[1], last[2]))
-            for _, start, length, _, _ in ent:
-                used[i][(start, length)] = True
+            ent.append((classes, last[0], tile, last[1], last[2]))
             tiles.append((i, qrows, real, ent))
+    dummies = _fill_classes(tiles, classes, tile)
+    for i, _, _, ent in tiles:
+        for _, start, length, _, _ in ent:
+            used[i][(start, length)] = True
     # The largest intervals of each sequence, placed longest first.
     top = []
     for i, iv in enumerate(used):
@@ -149,11 +203,14 @@ def tiles_plan(
                 return b + start - a
         raise AssertionError("an interval outside its sequence's region")
 
+    # Per class: (tile, chunk id, whether the tile merges it).
     per_class = [[] for _ in range(classes + 1)]
+    for c in dummies:  # chunk 0: the region holds a longer chunk
+        per_class[c].append((0, 0, False))
     bounds = []
     for t, (i, _, _, ent) in enumerate(tiles):
         for c, start, length, off, lim in ent:
-            per_class[c].append((t, loc(i, start, length) // length))
+            per_class[c].append((t, loc(i, start, length) // length, True))
             if c == classes:
                 bounds.append((off, lim))
     parts = np.full((len(tiles), classes + 1), -1, np.int32)
@@ -162,16 +219,20 @@ def tiles_plan(
     for t, (_, qrows, real, _) in enumerate(tiles):
         out_rows[qrows[real]] = t * tile + np.flatnonzero(real)
     args = [slots, slot_rows, np.stack([q for _, q, _, _ in tiles]).astype(np.int32), out_rows]
-    e0 = 0
+    e0, filled = 0, np.zeros(len(tiles), np.int64)
     hk = np.arange(nhead_k, dtype=np.int64)
     for c, ent in enumerate(per_class):
         length = tile if c == classes else tile << c
         nch = total // length
-        tl = np.array([t for t, _ in ent], np.int32)
-        ch = np.array([[h * nch + j for h in hk] for _, j in ent], np.int32).reshape(len(ent), nhead_k)
+        tl = np.array([t for t, _, _ in ent], np.int32)
+        ch = np.array([[h * nch + j for h in hk] for _, j, _ in ent], np.int32).reshape(len(ent), nhead_k)
         args += [tl, ch]
-        for k, (t, _) in enumerate(ent):
-            parts[t, c] = e0 + k
+        for k, (t, _, merged) in enumerate(ent):
+            if merged:  # a tile's entries in any order: the merge sums them
+                parts[t, filled[t]] = e0 + k
+                filled[t] += 1
         e0 += len(ent)
     args += [np.array(bounds, np.int32).reshape(-1, 2), parts, np.array([scale], np.float32)]
-    return TilesPlan(classes, tile, rows, tuple(args))
+    work = sum(tile * length for _, _, _, ent in tiles for _, _, length, _, _ in ent)
+    waste = sum(tile * (tile << c) for c in dummies) / work
+    return TilesPlan(classes, tile, rows, waste, tuple(args))

@@ -10,10 +10,11 @@ from .naming import NameCodec, Named, enum, number
 TILES_DTYPES = ("f16", "bf16")
 # Query rows per tile: the attention's row block (the roof's tuning).
 TILE_ROWS = 128
-# Chunk classes: class c holds chunks of 2^c tiles of keys, so one kernel
-# serves prefixes below 2^classes tiles (calls/tiles.py picks the fewest
-# classes a call needs among those built).
-TILES_CLASSES = (4, 7, 10)
+# Chunk classes: class c holds chunks of 2^c tiles of keys. A call runs the
+# kernel of exactly its longest prefix's binary digits (no class may be
+# empty: calls/tiles.py), so one is built per count, up to prefixes of
+# 1023 tiles.
+TILES_CLASSES = tuple(range(11))
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -36,9 +37,11 @@ class TilesKernel(Named):
     def __post_init__(self):
         if self.dtype not in TILES_DTYPES:
             raise ValueError(f"prefill tile kernels take f16/bf16, got dtype={self.dtype!r}")
-        for f in ("nhead_q", "nhead_k", "hdim", "page_block_size", "tile", "classes"):
+        for f in ("nhead_q", "nhead_k", "hdim", "page_block_size", "tile"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.classes < 0:
+            raise ValueError(f"classes must be >= 0, got {self.classes}")
         if self.nhead_q % self.nhead_k:
             raise ValueError(f"nhead_q ({self.nhead_q}) must be a multiple of nhead_k ({self.nhead_k})")
 

@@ -253,10 +253,10 @@ class VariantSelection:
         return formulations == {"explicit"}
 
     def tiles_kernel(self, dtype: str, nhead_q: int, nhead_k: int, hdim: int, page: int, classes: int):
-        """The tile prefill kernel (kernels.tiles_kernel) of the fewest
-        classes, `classes` or more, that serves these shapes: a built one,
-        else with compile_missing the one to build; None where the session
-        runs no tiles (Session's prefill_tiles) or none serves."""
+        """The tile prefill kernel (kernels.tiles_kernel) of exactly
+        `classes` chunk classes that serves these shapes: a built one, else
+        with compile_missing the one to build; None where the session runs
+        no tiles (Session's prefill_tiles) or none serves."""
         if not getattr(self, "prefill_tiles", False):
             return None
         args = (dtype, nhead_q, nhead_k, hdim, page, classes)
@@ -268,13 +268,12 @@ class VariantSelection:
             k
             for k in (TilesKernel.parse(n) for n in self._index if n.startswith("prefill_tiles_"))
             if (k.dtype, k.nhead_q, k.nhead_k, k.hdim, k.page_block_size, k.tile) == want + (TILE_ROWS,)
-            and k.classes >= classes
+            and k.classes == classes
         ]
         if built:
-            return min(built, key=lambda k: k.classes)
-        c = next((c for c in TILES_CLASSES if c >= classes), None)
-        if self.compile_missing and c is not None and dtype in ("f16", "bf16") and TILE_ROWS % page == 0:
-            return TilesKernel(dtype, nhead_q, nhead_k, hdim, page, TILE_ROWS, c)
+            return built[0]
+        if self.compile_missing and classes in TILES_CLASSES and dtype in ("f16", "bf16") and TILE_ROWS % page == 0:
+            return TilesKernel(dtype, nhead_q, nhead_k, hdim, page, TILE_ROWS, classes)
         return None
 
     def _default_variant_for(
