@@ -178,6 +178,24 @@ def test_varlen_prefill_in_tiles_writes_out(tiles_session, rng):
     _check(out, lse, *fmha_fwd_paged_ref(q, kc, vc, table, seqlen_k, **kw))
 
 
+def test_mixed_batch_prefills_in_tiles_decodes_paged(tiles_session, rng):
+    """Continuous batching: the one-row sequences run the decode kernels,
+    the prefills one tile call, each writing its own rows of out and LSE."""
+    lens, keys = [1, 100, 1, 70], [50, 100, 300, 80]
+    q, kc, vc, table, seqlen_k = make_problem(
+        rng, dtype="f16", batch=4, seqlen_q=1, seqlens_k=keys, nhead_q=HQ, nhead_k=HK, hdim=D, page=PG
+    )
+    q = rng.standard_normal((sum(lens), HQ, D)).astype(np.float16)
+    kw = dict(seqstart_q=np.cumsum([0] + lens), **CAUSAL)
+    attn = turbine_fmha.PagedAttention(tiles_session)
+    plan = attn.plan(
+        table, seqlen_k, dtype="f16", nhead_q=HQ, nhead_k=HK, hdim=D, page_block_size=PG, num_pages=kc.shape[0], **kw
+    )
+    assert plan._plan.plan.mixed and plan._plan.plan.tiles is not None
+    out, lse = plan.run(q, kc, vc, return_lse=True)
+    _check(out, lse, *fmha_fwd_paged_ref(q, kc, vc, table, seqlen_k, **kw))
+
+
 @pytest.mark.parametrize(
     "kw",
     [dict(CAUSAL, window_size_left=8), dict(logits_soft_cap=5.0), dict(kv_layout="HND")],

@@ -113,10 +113,11 @@ class Plan:
     problem: Problem
     parts: tuple[Part, ...]
     # Compute-bound prefill through contiguous tiles (calls/tiles.py): where
-    # set, one call of tiles_kernel computes the outputs, and the parts
-    # are not run.
+    # set, one call of tiles_kernel computes the rows of part tiles_part,
+    # which is not run (the other part of a mixed batch is).
     tiles: TilesPlan | None = None
     tiles_kernel: object = None
+    tiles_part: int = 0
 
     @property
     def mixed(self) -> bool:
@@ -129,16 +130,21 @@ def make_plan(p: Problem, catalog, policy: Policy = EAGER) -> Plan:
     active = active_sequences(t, p.min_seqlen_q)
     lens = t.seqlens_q[active]
     if t.group and (lens == 1).any() and (lens > 1).any():
-        return Plan(p, tuple(_part(p, catalog, policy, active[sel]) for sel in (lens == 1, lens > 1)))
+        # Continuous batching: the decodes and the prefills, each part with
+        # its own kernels (the prefills' may be tiles).
+        parts = tuple(_part(p, catalog, policy, active[sel]) for sel in (lens == 1, lens > 1))
+        tiles = _tiles(p, catalog, policy, parts[1], active)
+        return Plan(p, parts, *(tiles or ()), 1)
     part = _part(p, catalog, policy, active)
-    tiles = _tiles(p, catalog, policy, part)
+    tiles = _tiles(p, catalog, policy, part, active)
     return Plan(p, (part,), *(tiles or ()))
 
 
-def _tiles(p: Problem, catalog, policy: Policy, part: Part):
+def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
     """(TilesPlan, its kernel) where the part is a compute-bound prefill
     that a tile kernel of the catalog serves exactly: no score terms beyond
-    the scale, no window, pages of whole tiles' rows; else None."""
+    the scale, no window, pages of whole tiles' rows; else None. `active`:
+    the call's computed sequences (rows of others keep out's zeros)."""
     lay, s, t = p.layout, p.scores, p.tables
     m = s.mask
     # A mask of no window sides shows every key, as no mask does.
@@ -162,7 +168,7 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part):
     ):
         return None
     # Rows of skipped sequences keep out's zeros: only where there are none.
-    skipped = np.setdiff1d(np.arange(t.batch), part.active)
+    skipped = np.setdiff1d(np.arange(t.batch), active)
     if (t.seqlens_q[skipped] > 0).any() or (t.offsets % lay.page_block_size).any():
         return None
     starts = t.seqstart[:-1] if t.group else np.arange(t.batch) * t.seqlen_q

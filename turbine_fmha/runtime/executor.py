@@ -259,10 +259,16 @@ class Executor:
             for c in (kc, vc)
         ):
             torch_writes_done()
-        if self.plan.tiles is not None:
+        if self.plan.tiles is not None and not self.plan.mixed:
             out, lse = self._run_tiles(q, kc, vc, results, out, return_lse)
         else:
             out, lse = self._run_parts(q, v_cache, kc, vc, results, out, return_lse, sinks)
+            if self.plan.tiles is not None:  # the prefills of a mixed batch
+                o, lse_t = self._run_tiles(q, kc, vc, results, None, return_lse)
+                rows = self._tiles_rows(results)
+                out[rows] = o[rows]
+                if return_lse:
+                    lse[:, rows] = lse_t[:, rows]
         if torch_results or not is_torch(like):
             return (out, lse) if return_lse else out
         out_t = out_tensor if out_tensor is not None else from_numpy(out, like)
@@ -292,10 +298,21 @@ class Executor:
             o = out
         return o, lse
 
+    def _tiles_rows(self, results):
+        """The q rows of the tiles' part (a mixed batch's prefills), once."""
+        key = ("tiles rows", str(results.torch_device))
+        rows = self._index.get(key)
+        if rows is None:
+            t, part = self.p.tables, self.parts[self.plan.tiles_part]
+            own = [np.arange(t.seqstart[b], t.seqstart[b + 1]) for b in part.active]
+            rows = self._index[key] = results.index(np.concatenate(own))
+        return rows
+
     def _run_parts(self, q, v_cache, kc, vc, results, out, return_lse, sinks):
-        """(out, LSE) of the parts' kernels."""
+        """(out, LSE) of the parts' kernels (not the tiles')."""
         v_src = v_cache if not is_torch(v_cache) else vc
-        parts = [i for i, pt in enumerate(self.parts) if pt.rows]
+        tiles = self.plan.tiles_part if self.plan.tiles is not None else None
+        parts = [i for i, pt in enumerate(self.parts) if pt.rows and i != tiles]
         finite = [self._rows_finite(i, v_src, defer=True) for i in parts]
         if NONFINITE_SEEN and self._defers(v_src) and all(f is True for f in finite):
             # Checked before the kernels and finite in every part: deferred
