@@ -111,11 +111,14 @@ def test_classes_the_digits_leave_empty_take_split_chunks():
 
 def test_the_region_holds_each_key_once(rng):
     """Each sequence's keys are laid out once, whatever the chunks that
-    read them: the region is the keys' blocks, no alignment gaps."""
+    read them: the region is the keys' blocks, no alignment gaps, then
+    padded to whole chunks of the longest class (64 tiles here)."""
     spec = [(512, 8704), (512, 8704), (300, 1000), (129, 129)]
     seqs = [Sequence(0, r, k, np.arange(-(-k // PG))) for r, k in spec]
     plan = tiles_plan(seqs, 2000, "bottom_right", PG, 128, 7, HK, 1.0)
-    assert plan.args[0].shape[0] * PG == sum(-(-k // 128) * 128 for _, k in spec)
+    keys = sum(-(-k // 128) * 128 for _, k in spec)
+    assert plan.args[0].shape[0] * PG == -(-keys // (64 * 128)) * 64 * 128
+    assert (plan.args[1][keys // PG :] == 0).all()
 
 
 def test_no_argument_reads_outside_its_tensor(tiles_session, rng):

@@ -147,8 +147,9 @@ DEFERRED = {
 def kernel_runs(gpu, monkeypatch):
     """A session of its own whose kernel runs are recorded (the variants,
     in order); in the CPU dry run, with the GPU's deferred check (run()
-    defers it only for torch GPU caches)."""
-    session = gpu.new_session()
+    defers it only for torch GPU caches). The paged kernels: a prefill
+    through contiguous tiles reads no stale row, and checks none."""
+    session = gpu.new_session(prefill_tiles=False)
     runs = []
     run_variants = session.run_variants
 

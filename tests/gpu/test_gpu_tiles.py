@@ -41,7 +41,13 @@ def test_ragged_prefill(gpu, tiles, dtype, mask, as_torch):
     k, v, bt, sk = paged(rng, keys, dtype=dtype)
     q = queries(rng, sum(rows), dtype=dtype)
     kw = dict(seqstart_q=seqstart(rows), **mask)
-    args = (q, k, v) if not as_torch or gpu.dry_run else tuple(gpu.tensor(a) for a in (q, k, v))
+    if as_torch and not gpu.dry_run:  # torch takes no ml_dtypes bfloat16: through f32
+        import torch
+
+        tdt = torch.float16 if dtype == "f16" else torch.bfloat16
+        args = tuple(gpu.tensor(a.astype(np.float32)).to(tdt) for a in (q, k, v))
+    else:
+        args = (q, k, v)
     out, lse = turbine_fmha.fmha_fwd_paged(*args, bt, sk, return_lse=True, session=tiles, **kw)
     assert isinstance(tiles.last_variant, TilesKernel), tiles.last_variant
     ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)

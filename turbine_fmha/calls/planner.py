@@ -134,7 +134,7 @@ def make_plan(p: Problem, catalog, policy: Policy = EAGER) -> Plan:
         # its own kernels (the prefills' may be tiles).
         parts = tuple(_part(p, catalog, policy, active[sel]) for sel in (lens == 1, lens > 1))
         tiles = _tiles(p, catalog, policy, parts[1], active)
-        return Plan(p, parts, *(tiles or ()), 1)
+        return Plan(p, parts, *tiles, tiles_part=1) if tiles else Plan(p, parts)
     part = _part(p, catalog, policy, active)
     tiles = _tiles(p, catalog, policy, part, active)
     return Plan(p, (part,), *(tiles or ()))

@@ -185,7 +185,10 @@ def tiles_plan(
     for length, i, start in top:
         where.setdefault(i, []).append((start, length, base))
         base += length
-    total = base
+    # Padded to whole chunks of the longest class: every class's view of
+    # the region is then a reshape, not a copy (zeros past the keys).
+    longest = tile << (classes - 1) if classes else tile
+    total = -(-base // longest) * longest
     slots = np.zeros(total // page, np.int32)
     slot_rows = np.zeros(total // page, np.int32)
     for i, placed in where.items():
