@@ -15,11 +15,12 @@ from tolerances import LSE_TOL, OUT_TOL
 
 import turbine_fmha
 from turbine_fmha.calls.tiles import MIN_ROWS, Sequence, classes_needed, tiles_plan
-from turbine_fmha.kernels.tiles_kernel import TILE_ROWS, TilesKernel
+from turbine_fmha.kernels.tiles_kernel import TilesKernel
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
 HQ, HK, D, PG = 4, 2, 32, 16
-# A small tile keeps the kernel-level cases fast; the planner's own is TILE_ROWS.
+# A small tile keeps the kernel-level cases fast; the planner's own is
+# kernels.tiles_kernel.TILE_ROWS.
 T = 32
 CAUSAL = dict(mask_type="bottom_right", window_size_right=0)
 
@@ -153,8 +154,8 @@ def test_the_planner_runs_prefill_in_tiles(tiles_session, rng, mask):
         rng,
         dtype="f16",
         batch=2,
-        seqlen_q=TILE_ROWS + 3,
-        seqlens_k=[TILE_ROWS + 3, 300],
+        seqlen_q=MIN_ROWS + 3,
+        seqlens_k=[MIN_ROWS + 3, MIN_ROWS + 300],
         nhead_q=HQ,
         nhead_k=HK,
         hdim=D,
@@ -184,7 +185,7 @@ def test_varlen_prefill_in_tiles_writes_out(tiles_session, rng):
 def test_mixed_batch_prefills_in_tiles_decodes_paged(tiles_session, rng):
     """Continuous batching: the one-row sequences run the decode kernels,
     the prefills one tile call, each writing its own rows of out and LSE."""
-    lens, keys = [1, 100, 1, 70], [50, 100, 300, 80]
+    lens, keys = [1, MIN_ROWS, 1, 70], [50, MIN_ROWS, 300, 80]
     q, kc, vc, table, seqlen_k = make_problem(
         rng, dtype="f16", batch=4, seqlen_q=1, seqlens_k=keys, nhead_q=HQ, nhead_k=HK, hdim=D, page=PG
     )
@@ -210,8 +211,8 @@ def test_what_the_tiles_do_not_serve_runs_as_before(tiles_session, rng, kw):
         rng,
         dtype="f16",
         batch=1,
-        seqlen_q=TILE_ROWS,
-        seqlens_k=[TILE_ROWS],
+        seqlen_q=MIN_ROWS,
+        seqlens_k=[MIN_ROWS],
         nhead_q=HQ,
         nhead_k=HK,
         hdim=D,
@@ -227,3 +228,21 @@ def test_sessions_choose_tiles_on_gpus_only():
     assert turbine_fmha.Session("cpu", artifact_dir=CACHE / "none").prefill_tiles is False
     with pytest.raises(TypeError, match="prefill_tiles"):
         turbine_fmha.Session("cpu", artifact_dir=CACHE / "none", prefill_tiles="yes")
+
+
+def test_prefills_below_the_threshold_run_paged(tiles_session, rng):
+    """Under MIN_ROWS rows (measured: 8 sequences of 256 ran slower in
+    tiles) the paged kernels serve the call."""
+    problem = make_problem(
+        rng,
+        dtype="f16",
+        batch=2,
+        seqlen_q=MIN_ROWS - 1,
+        seqlens_k=[MIN_ROWS - 1] * 2,
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        page=PG,
+    )
+    run_and_check(tiles_session, problem, dtype="f16", **CAUSAL)
+    assert not isinstance(tiles_session.last_variant, TilesKernel)

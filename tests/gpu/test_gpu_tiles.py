@@ -19,12 +19,13 @@ from .conftest import MASK, check, paged, queries, seqstart
 
 pytestmark = pytest.mark.gpu
 
-# (rows, keys) per sequence: a long causal prefill, a chunk over 2000
+# (rows, keys) per sequence (the longest past calls/tiles.MIN_ROWS): a
+# long causal prefill, a chunk over 2000
 # cached keys, a two-row sequence, rows just past a tile. (A one-row
 # sequence would make a mixed batch, whose decodes the tiles leave to
 # the decode kernels: it runs the paged kernels.)
 RAGGED = ([1000, 300, 2, 129], [1000, 2300, 700, 129])
-SMALL = ([200, 40, 2, 129], [200, 500, 90, 129])
+SMALL = ([600, 40, 2, 129], [600, 500, 90, 129])
 
 
 @pytest.fixture(scope="module")

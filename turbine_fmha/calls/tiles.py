@@ -32,9 +32,11 @@ import numpy as np
 
 # The masks the tiles serve (calls/mask.MaskSpec kinds without a window).
 TILE_MASKS = ("none", "top_left", "bottom_right")
-# A part runs in tiles from this many query rows (its longest sequence's),
-# and where dummy entries add at most this share of its work.
-MIN_ROWS = 64
+# A part runs in tiles from this many query rows (its longest sequence's;
+# on an H100 one sequence of 512 rows ran 1.7x faster in tiles, 8 of 256
+# 1.4x slower: docs/benchmarks.md), and where dummy entries add at most
+# this share of its work.
+MIN_ROWS = 512
 MAX_WASTE = 0.25
 
 
