@@ -246,3 +246,24 @@ def test_prefills_below_the_threshold_run_paged(tiles_session, rng):
     )
     run_and_check(tiles_session, problem, dtype="f16", **CAUSAL)
     assert not isinstance(tiles_session.last_variant, TilesKernel)
+
+
+@pytest.mark.parametrize("offset", [2 * PG, 5], ids=["whole_pages", "mid_page"])
+def test_gappy_kv_in_tiles(tiles_session, rng, offset):
+    """kv_offset of whole pages: the tiles read from that table column on;
+    mid-page offsets run the paged kernels. Both as the reference."""
+    keys = MIN_ROWS + 40
+    q, kc, vc, table, seqlen_k = make_problem(
+        rng,
+        dtype="f16",
+        batch=1,
+        seqlen_q=MIN_ROWS,
+        seqlens_k=[keys + offset],
+        nhead_q=HQ,
+        nhead_k=HK,
+        hdim=D,
+        page=PG,
+    )
+    seqlen_k = np.array([keys], np.int32)
+    run_and_check(tiles_session, (q, kc, vc, table, seqlen_k), dtype="f16", kv_offset=np.array([offset]), **CAUSAL)
+    assert isinstance(tiles_session.last_variant, TilesKernel) == (offset % PG == 0)
