@@ -308,17 +308,25 @@ class PagedKVFwdOnline(_PagedKVFwd):
     signature = sig.custom_op_signature(sig.FWD, "turbine_fmha_pagedkv_fwd_online")
 
 
+def _dtype_name(t: torch.Tensor) -> str:
+    torch._check(t.dtype in _DTYPE_NAME, lambda: f"unsupported dtype {t.dtype}")
+    return _DTYPE_NAME[t.dtype]
+
+
+def _check_dtypes(kernel: sig.Kernel, tensors: list, types: sig.Types) -> None:
+    """Every tensor of a call of `kernel` has its declared dtype."""
+    for arg, t in zip(kernel.args, tensors):
+        want = _TORCH_DTYPE[types.dtypes[arg.dtype]]
+        torch._check(t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
+
+
 def _append_of(kernel: sig.Kernel, tensors: list, attrs: dict) -> AppendKernel:
     """The AppendKernel a call of `kernel` (APPEND or APPEND_ROTARY) with
     these arguments runs; every tensor must have its declared dtype."""
     sym = _bind(kernel, tensors)
-    dt = tensors[3].dtype
-    torch._check(dt in _DTYPE_NAME, lambda: f"unsupported dtype {dt}")
-    a = AppendKernel(_DTYPE_NAME[dt], sym["HK"], sym["D"], sym["DV"], sym["PG"], attrs.get("rotary", "none"))
-    types = sig.append_types(a)
-    for arg, t in zip(kernel.args, tensors):
-        want = _TORCH_DTYPE[types.dtypes[arg.dtype]]
-        torch._check(t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
+    dt = _dtype_name(tensors[3])
+    a = AppendKernel(dt, sym["HK"], sym["D"], sym["DV"], sym["PG"], attrs.get("rotary", "none"))
+    _check_dtypes(kernel, tensors, sig.append_types(a))
     return a
 
 
@@ -362,15 +370,10 @@ class PagedKVAppendRotary(_PagedKVAppendOp):
 
 def _tiles_of(kernel: sig.Kernel, tensors: list, classes: int) -> TilesKernel:
     """The TilesKernel a call of `kernel` (tiles_declaration(classes)) with
-    these arguments runs."""
+    these arguments runs; every tensor must have its declared dtype."""
     sym = _bind(kernel, tensors)
-    dt = tensors[0].dtype
-    torch._check(dt in _DTYPE_NAME, lambda: f"unsupported dtype {dt}")
-    k = TilesKernel(_DTYPE_NAME[dt], sym["HQ"], sym["HK"], sym["D"], sym["PG"], sym["TR"], classes)
-    types = sig.tiles_types(k)
-    for arg, t in zip(kernel.args, tensors):
-        want = _TORCH_DTYPE[types.dtypes[arg.dtype]]
-        torch._check(t.dtype == want, lambda: f"{arg.name} must be {want}, got {t.dtype}")
+    k = TilesKernel(_dtype_name(tensors[0]), sym["HQ"], sym["HK"], sym["D"], sym["PG"], sym["TR"], classes)
+    _check_dtypes(kernel, tensors, sig.tiles_types(k))
     return k
 
 
