@@ -23,7 +23,8 @@ from tolerances import LSE_TOL, OUT_TOL
 
 from turbine_fmha.build import aot
 from turbine_fmha.kernels import abi
-from turbine_fmha.kernels.signature import APPEND, APPEND_ROTARY, FWD
+from turbine_fmha.kernels.signature import APPEND, APPEND_ROTARY, FWD, tiles_declaration
+from turbine_fmha.kernels.tiles_kernel import TILES_CLASSES
 from turbine_fmha.kernels.variants import parse_kernel
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
@@ -41,7 +42,8 @@ DTYPES = {"f16": np.float16, "bf16": None, "f32": np.float32, "i32": np.int32, "
 
 
 def test_every_declared_name_has_a_meaning():
-    for decl in (FWD, APPEND, APPEND_ROTARY):
+    tiles = [tiles_declaration(c) for c in TILES_CLASSES]
+    for decl in (FWD, APPEND, APPEND_ROTARY, *tiles):
         meanings = abi.MEANINGS[abi.family(decl)]
         for t in decl.args + decl.results:
             assert t.name in meanings, (decl.name, t.name)
@@ -49,6 +51,15 @@ def test_every_declared_name_has_a_meaning():
                 for d in layout:
                     assert isinstance(d, int) or d in abi.SYMBOLS, (t.name, d)
     assert [n for n, _ in abi.FPARAMS] == ["scale_s", "logits_soft_cap", "scale_o", "scale_p"]
+
+
+def test_every_kind_of_kernel_is_described():
+    """`turbine-fmha inspect --abi` of a tile kernel, whose fparams is not
+    the attention's and which has no mask attribute."""
+    for name in (STATIC, "pagedkv_append_f16_h8_d128x128_pg16", "prefill_tiles_f16_h32x8_d128_pg16_t128_c3"):
+        described = abi.describe(parse_kernel(name))
+        assert described["function"] == name
+        assert all(t["meaning"] for t in described["args"] + described["results"])
 
 
 @pytest.fixture(scope="module")

@@ -337,7 +337,7 @@ def join(entry: dict, docs: dict) -> dict:
     for part in ("args", "results"):
         out[part] = [dict(t, meaning=docs["tensors"][entry["kernel"]][t["name"]]) for t in entry[part]]
     out["sizes"] = {s: {"size": n, "meaning": docs["symbols"][s]} for s, n in entry["sizes"].items()}
-    if any(t["name"] == "fparams" for t in entry["args"]):
+    if entry["kernel"] == "pagedkv_fwd":  # the packed scalars and the mask rule are the attention's
         out["fparams"], out["iparams"], out["unbounded"] = docs["fparams"], docs["iparams"], docs["unbounded"]
         out["mask"] = docs["mask"][entry["attributes"]["mask"]]
     out["preconditions"] = [docs["preconditions"][p] for p in entry["preconditions"]]
