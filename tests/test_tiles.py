@@ -267,3 +267,19 @@ def test_gappy_kv_in_tiles(tiles_session, rng, offset):
     seqlen_k = np.array([keys], np.int32)
     run_and_check(tiles_session, (q, kc, vc, table, seqlen_k), dtype="f16", kv_offset=np.array([offset]), **CAUSAL)
     assert isinstance(tiles_session.last_variant, TilesKernel) == (offset % PG == 0)
+
+
+def test_calls_past_the_partials_budget_run_paged(tiles_session, rng, monkeypatch):
+    """The entries' f32 partials grow with the rows times the classes: past
+    MAX_PARTIAL_BYTES the paged kernels serve the call."""
+    from turbine_fmha.calls import tiles
+
+    problem = make_problem(
+        rng, dtype="f16", batch=1, seqlen_q=MIN_ROWS, seqlens_k=[MIN_ROWS], nhead_q=HQ, nhead_k=HK, hdim=D, page=PG
+    )
+    seqs = [Sequence(0, MIN_ROWS, MIN_ROWS, np.arange(MIN_ROWS // PG))]
+    plan = tiles_plan(seqs, MIN_ROWS, "bottom_right", PG, 128, 2, HK, 1.0)
+    assert plan.entries == 4 + 4  # 4 last blocks; chunks: the digits of 1, 2 and 3
+    monkeypatch.setattr(tiles, "MAX_PARTIAL_BYTES", plan.partial_bytes(HQ, D) - 1)
+    run_and_check(tiles_session, problem, dtype="f16", **CAUSAL)
+    assert not isinstance(tiles_session.last_variant, TilesKernel)

@@ -44,6 +44,7 @@ import numpy as np
 from ..build.artifacts import ArtifactError
 from ..kernels.tiles_kernel import TILE_ROWS
 from ..kernels.variants import ENTRY_ROWS, Variant, bias_shape_of, group_rows_for
+from . import tiles as tiling
 from .modes import active_sequences, bias_rows, gappy_table
 from .plan import (
     ENTRIES_GAIN,
@@ -61,7 +62,7 @@ from .plan import (
     window_keys,
 )
 from .problem import Problem
-from .tiles import MAX_WASTE, MIN_ROWS, Sequence, TilesPlan, classes_needed, tiles_plan
+from .tiles import Sequence, TilesPlan, classes_needed, tiles_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
     mask = "none" if m.type == "none" or edges == (-1, -1, 0) else m.type if edges == (-1, 0, 0) else None
     if (
         not policy.values_known
-        or part.rows < MIN_ROWS
+        or part.rows < tiling.MIN_ROWS
         or mask is None
         or lay.kv_dtype
         or lay.static_quant
@@ -192,7 +193,8 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
         return None
     scale = s.scale * s.q_scale * s.k_scale
     plan = tiles_plan(seqs, t.total_q, mask, lay.page_block_size, kernel.tile, kernel.classes, lay.nhead_k, scale)
-    return (plan, kernel) if plan.waste <= MAX_WASTE else None
+    fits = plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES
+    return (plan, kernel) if fits and plan.waste <= tiling.MAX_WASTE else None
 
 
 def _part(p: Problem, catalog, policy: Policy, active: np.ndarray) -> Part:

@@ -38,6 +38,10 @@ TILE_MASKS = ("none", "top_left", "bottom_right")
 # this share of its work.
 MIN_ROWS = 512
 MAX_WASTE = 0.25
+# The entries' f32 partials (accumulator, max and sum per row and head) a
+# call may hold: past it (about 500 entries at 32 heads of 128, a causal
+# prefill of some 10k rows) the paged kernels run it, in row chunks.
+MAX_PARTIAL_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,15 @@ class TilesPlan:
     # The kernel's arguments after q, k_cache and v_cache, in
     # signature.tiles_declaration's order.
     args: tuple
+
+    @property
+    def entries(self) -> int:
+        return sum(self.args[4 + 2 * c].shape[0] for c in range(self.classes + 1))
+
+    def partial_bytes(self, nhead_q: int, hdim: int) -> int:
+        """The f32 partials the call's entries write: the accumulator, the
+        row max and the row sum of each entry's rows and heads."""
+        return self.entries * nhead_q * self.tile * (hdim + 2) * 4
 
 
 def shift_of(mask: str, rows: int, keys: int) -> int | None:
