@@ -165,7 +165,6 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
         or s.sinks is not None
         or s.v_scale != 1
         or p.num_splits not in (None, 1)
-        or not hasattr(catalog, "tiles_kernel")
     ):
         return None
     # Rows of skipped sequences keep out's zeros: only where there are none.

@@ -174,8 +174,29 @@ def tiles_plan(
         raise ValueError(f"the tiles serve masks {TILE_MASKS}, got {mask!r}")
     if tile % page:
         raise ValueError(f"the tile ({tile} rows) must be a multiple of the page ({page})")
-    # Per tile: (its sequence, q rows, [(class, start, length, off, lim)]).
-    tiles, used = [], [dict() for _ in seqs]
+    tiles = _entries(seqs, mask, tile, classes)
+    dummies = _fill_classes(tiles, classes, tile)
+    # Padded to whole chunks of the longest class: every class's view of
+    # the region is then a reshape, not a copy (zeros past the keys).
+    longest = tile << (classes - 1) if classes else tile
+    where, total = _region(seqs, tiles, longest)
+    # q rows of no sequence read tile row 0 (their output is the caller's).
+    out_rows = np.zeros(rows, np.int32)
+    for t, (_, qrows, real, _) in enumerate(tiles):
+        out_rows[qrows[real]] = t * tile + np.flatnonzero(real)
+    args = [*_slots(seqs, where, total, page), np.stack([q for _, q, _, _ in tiles]).astype(np.int32), out_rows]
+    args += _class_args(tiles, dummies, where, total, tile, classes, nhead_k)
+    args.append(np.array([scale], np.float32))
+    work = sum(tile * length for _, _, _, ent in tiles for _, _, length, _, _ in ent)
+    waste = sum(tile * (tile << c) for c in dummies) / work
+    return TilesPlan(classes, tile, rows, waste, tuple(args))
+
+
+def _entries(seqs: list[Sequence], mask: str, tile: int, classes: int) -> list:
+    """Per tile: (its sequence, q rows, which are real, [(class, start,
+    length, off, lim)]): its prefix's chunks by binary digits, then its
+    last block in the masked class."""
+    tiles = []
     for i, s in enumerate(seqs):
         for qrows, real, p, last in _tiles(s, mask, tile):
             if p >= 1 << classes:
@@ -183,11 +204,16 @@ def tiles_plan(
             ent = [(b, start, length, 0, 0) for b, start, length in _prefix_chunks(p, tile)]
             ent.append((classes, last[0], tile, last[1], last[2]))
             tiles.append((i, qrows, real, ent))
-    dummies = _fill_classes(tiles, classes, tile)
+    return tiles
+
+
+def _region(seqs: list[Sequence], tiles: list, longest: int) -> tuple[dict, int]:
+    """Where each sequence's largest intervals start in the region ({seq:
+    [(start, length, base)]}), placed longest first, and the region's keys
+    (a multiple of `longest`)."""
+    used = [set() for _ in seqs]
     for i, _, _, ent in tiles:
-        for _, start, length, _, _ in ent:
-            used[i][(start, length)] = True
-    # The largest intervals of each sequence, placed longest first.
+        used[i].update((start, length) for _, start, length, _, _ in ent)
     top = []
     for i, iv in enumerate(used):
         chosen: dict[int, set] = {}
@@ -200,10 +226,11 @@ def tiles_plan(
     for length, i, start in top:
         where.setdefault(i, []).append((start, length, base))
         base += length
-    # Padded to whole chunks of the longest class: every class's view of
-    # the region is then a reshape, not a copy (zeros past the keys).
-    longest = tile << (classes - 1) if classes else tile
-    total = -(-base // longest) * longest
+    return where, -(-base // longest) * longest
+
+
+def _slots(seqs: list[Sequence], where: dict, total: int, page: int) -> list:
+    """The region's slots: each one's page and the rows of it that hold keys."""
     slots = np.zeros(total // page, np.int32)
     slot_rows = np.zeros(total // page, np.int32)
     for i, placed in where.items():
@@ -214,6 +241,12 @@ def tiles_plan(
                 pi = key // page
                 slots[b // page + j] = s.pages[pi] if pi < len(s.pages) else 0
                 slot_rows[b // page + j] = min(max(s.keys - key, 0), page)
+    return [slots, slot_rows]
+
+
+def _class_args(tiles: list, dummies: list, where: dict, total: int, tile: int, classes: int, nhead_k: int) -> list:
+    """Per class its entries' tiles and head-major chunk ids, then the last
+    blocks' bounds and each tile's entries (numbered over the classes)."""
 
     def loc(i: int, start: int, length: int) -> int:
         for a, al, b in where[i]:
@@ -231,17 +264,11 @@ def tiles_plan(
             per_class[c].append((t, loc(i, start, length) // length, True))
             if c == classes:
                 bounds.append((off, lim))
-    parts = np.full((len(tiles), classes + 1), -1, np.int32)
-    # q rows of no sequence read tile row 0 (their output is the caller's).
-    out_rows = np.zeros(rows, np.int32)
-    for t, (_, qrows, real, _) in enumerate(tiles):
-        out_rows[qrows[real]] = t * tile + np.flatnonzero(real)
-    args = [slots, slot_rows, np.stack([q for _, q, _, _ in tiles]).astype(np.int32), out_rows]
+    args, parts = [], np.full((len(tiles), classes + 1), -1, np.int32)
     e0, filled = 0, np.zeros(len(tiles), np.int64)
     hk = np.arange(nhead_k, dtype=np.int64)
     for c, ent in enumerate(per_class):
-        length = tile if c == classes else tile << c
-        nch = total // length
+        nch = total // (tile if c == classes else tile << c)
         tl = np.array([t for t, _, _ in ent], np.int32)
         ch = np.array([[h * nch + j for h in hk] for _, j, _ in ent], np.int32).reshape(len(ent), nhead_k)
         args += [tl, ch]
@@ -250,7 +277,4 @@ def tiles_plan(
                 parts[t, filled[t]] = e0 + k
                 filled[t] += 1
         e0 += len(ent)
-    args += [np.array(bounds, np.int32).reshape(-1, 2), parts, np.array([scale], np.float32)]
-    work = sum(tile * length for _, _, _, ent in tiles for _, _, length, _, _ in ent)
-    waste = sum(tile * (tile << c) for c in dummies) / work
-    return TilesPlan(classes, tile, rows, waste, tuple(args))
+    return args + [np.array(bounds, np.int32).reshape(-1, 2), parts]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..build.artifacts import ArtifactError
 from ..calls.plan import PREFILL_LAUNCH_ELEMENTS
-from ..kernels.tiles_kernel import TILE_ROWS, TILES_CLASSES, TilesKernel
+from ..kernels.tiles_kernel import TILE_ROWS, TILES_CLASSES, TILES_DTYPES, TilesKernel
 from ..kernels.variants import (
     ENTRY_ROWS,
     GPU_DECODE_TILES,
@@ -272,7 +272,7 @@ class VariantSelection:
         ]
         if built:
             return built[0]
-        if self.compile_missing and classes in TILES_CLASSES and dtype in ("f16", "bf16") and TILE_ROWS % page == 0:
+        if self.compile_missing and classes in TILES_CLASSES and dtype in TILES_DTYPES and TILE_ROWS % page == 0:
             return TilesKernel(dtype, nhead_q, nhead_k, hdim, page, TILE_ROWS, classes)
         return None
 
