@@ -433,19 +433,23 @@ class DeviceLoop:
         self.q_shape, self.q_dtype = q.shape, q.dtype
 
     def _tiles(self, session, plan, case: Case):
-        """The one call of a prefill through contiguous tiles."""
+        """The calls of a prefill through contiguous tiles, one kernel each."""
         import iree.runtime as rt
 
         dev = session.device_of()
         q = np.ascontiguousarray(as_numpy(case.q))
-        self.variant, self.split, self.plan, self.steps = plan.tiles_kernel, False, None, [None]
+        self.variant, self.split, self.plan = plan.tiles[0].kernel, False, None
+        self.steps = [None] * len(plan.tiles)
         if case.device == "cuda":
             kd, vd = session.import_torch(case.k), session.import_torch(case.v)
         else:
             kd, vd = (session.device_array(np.ascontiguousarray(as_numpy(a))) for a in (case.k, case.v))
         qf = q.reshape((-1,) + q.shape[-2:])
-        self.calls = [[rt.asdevicearray(dev, qf), kd, vd, *[rt.asdevicearray(dev, a) for a in plan.tiles.args]]]
-        self.loaded = session._load(self.variant)
+        self.calls = [
+            [rt.asdevicearray(dev, qf[c.start : c.stop]), kd, vd, *[rt.asdevicearray(dev, a) for a in c.plan.args]]
+            for c in plan.tiles
+        ]
+        self.loaded = [session._load(c.kernel) for c in plan.tiles]
         self.chain = session.device == "cpu"
         self.last = []
         self.q_shape, self.q_dtype = q.shape, q.dtype
@@ -453,8 +457,9 @@ class DeviceLoop:
     def __call__(self):
         prev = self.last[-1] if self.last and self.chain else None
         self.last.clear()
-        for args in self.calls:
-            prev = self.loaded.enqueue(args, after=prev if self.chain else None)
+        loaded = self.loaded if isinstance(self.loaded, list) else [self.loaded] * len(self.calls)
+        for lk, args in zip(loaded, self.calls):
+            prev = lk.enqueue(args, after=prev if self.chain else None)
             self.last.append(prev)
 
     def wait(self):
@@ -466,8 +471,8 @@ class DeviceLoop:
         self.wait()
         b, rows, hq, dv = self.q_shape
         plan = self.plan
-        if plan is None:  # the tiles' one call: q's rows
-            return self.last[0].results(1)[0].to_host().reshape(self.q_shape)
+        if plan is None:  # the tiles' calls: q's rows, in order
+            return np.concatenate([c.results(1)[0].to_host() for c in self.last]).reshape(self.q_shape)
         n = plan.call.batch
         if self.split:
             dst = [np.empty((n, rows, hq, dv), self.q_dtype)] + [np.empty((n, hq, rows), np.float32) for _ in range(3)]

@@ -269,9 +269,40 @@ def test_gappy_kv_in_tiles(tiles_session, rng, offset):
     assert isinstance(tiles_session.last_variant, TilesKernel) == (offset % PG == 0)
 
 
-def test_calls_past_the_partials_budget_run_paged(tiles_session, rng, monkeypatch):
+MASKS = {"bottom_right": CAUSAL, "top_left": dict(mask_type="top_left", window_size_right=0), "none": {}}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_calls_past_the_partials_budget_run_in_row_groups(tiles_session, rng, monkeypatch, mask):
     """The entries' f32 partials grow with the rows times the classes: past
-    MAX_PARTIAL_BYTES the paged kernels serve the call."""
+    MAX_PARTIAL_BYTES a call runs as several tile calls of consecutive q
+    rows (a sequence cut between its tiles), each within the budget, and
+    together they give every row and its LSE."""
+    from turbine_fmha.calls import tiles
+
+    lens, keys = [MIN_ROWS + 100, 300], [MIN_ROWS + 164, 300]
+    _, kc, vc, table, seqlen_k = make_problem(
+        rng, dtype="f16", batch=2, seqlen_q=1, seqlens_k=keys, nhead_q=HQ, nhead_k=HK, hdim=D, page=PG
+    )
+    q = rng.standard_normal((sum(lens), HQ, D)).astype(np.float16)
+    kw = dict(seqstart_q=np.cumsum([0] + lens), **MASKS[mask])
+    shape = dict(dtype="f16", nhead_q=HQ, nhead_k=HK, hdim=D, page_block_size=PG, num_pages=kc.shape[0])
+    budget = 10 * tiles.entry_bytes(HQ, 128, D)  # fewer entries than the call's
+    monkeypatch.setattr(tiles, "MAX_PARTIAL_BYTES", budget)
+    plan = turbine_fmha.PagedAttention(tiles_session).plan(table, seqlen_k, **shape, **kw)
+    calls = plan._plan.plan.tiles
+    assert calls is not None and len(calls) >= 2
+    assert [c.start for c in calls] == [0] + [c.stop for c in calls[:-1]] and calls[-1].stop == sum(lens)
+    assert all(c.plan.partial_bytes(HQ, D) <= budget for c in calls)
+    out = np.full_like(q, np.nan)
+    got, lse = plan.run(q, kc, vc, out=out, return_lse=True)
+    assert got is out and isinstance(tiles_session.last_variant, TilesKernel)
+    _check(out, lse, *fmha_fwd_paged_ref(q, kc, vc, table, seqlen_k, **kw))
+
+
+def test_a_tile_past_the_partials_budget_runs_paged(tiles_session, rng, monkeypatch):
+    """Where one tile's entries alone pass the budget, the paged kernels
+    serve the call."""
     from turbine_fmha.calls import tiles
 
     problem = make_problem(
@@ -280,6 +311,28 @@ def test_calls_past_the_partials_budget_run_paged(tiles_session, rng, monkeypatc
     seqs = [Sequence(0, MIN_ROWS, MIN_ROWS, np.arange(MIN_ROWS // PG))]
     plan = tiles_plan(seqs, MIN_ROWS, "bottom_right", PG, 128, 2, HK, 1.0)
     assert plan.entries == 4 + 4  # 4 last blocks; chunks: the digits of 1, 2 and 3
-    monkeypatch.setattr(tiles, "MAX_PARTIAL_BYTES", plan.partial_bytes(HQ, D) - 1)
+    monkeypatch.setattr(tiles, "MAX_PARTIAL_BYTES", tiles.entry_bytes(HQ, 128, D))
     run_and_check(tiles_session, problem, dtype="f16", **CAUSAL)
     assert not isinstance(tiles_session.last_variant, TilesKernel)
+
+
+def test_row_groups_cut_between_tiles():
+    """Each group's sequences are the rows [r0, r1) of the call's, as
+    bottom-right sequences of the keys their last row sees; top-left ones
+    become bottom-right; mask-free rows keep every key."""
+    from turbine_fmha.calls.tiles import row_groups
+
+    pages = np.arange(40)
+    seqs = [Sequence(0, 600, 640, pages), Sequence(600, 200, 200, pages)]
+    mask, groups = row_groups(seqs, "bottom_right", 128, 4)
+    assert mask == "bottom_right"
+    # The first's rows sit at keys 40..639: tiles 0..4, entries 1, 2, 2, 3, 2;
+    # the second's tiles 0..1, entries 1, 2: 13 in groups of at most 4.
+    assert [(a, b) for a, b, _ in groups] == [(0, 216), (216, 344), (344, 472), (472, 600), (600, 800)]
+    rows_keys = [[(x.q_start, x.rows, x.keys) for x in sub] for _, _, sub in groups]
+    assert rows_keys[0] == [(0, 216, 256)] and rows_keys[3] == [(0, 128, 640)] and rows_keys[4] == [(0, 200, 200)]
+    mask, groups = row_groups([Sequence(0, 300, 500, pages)], "top_left", 128, 3)
+    assert mask == "bottom_right" and [g[2][0].keys for g in groups] == [256, 300]
+    mask, groups = row_groups([Sequence(0, 300, 500, pages)], "none", 128, 3)
+    assert mask == "none" and [(g[2][0].rows, g[2][0].keys) for g in groups] == [(128, 500), (128, 500), (44, 500)]
+    assert row_groups(seqs, "bottom_right", 128, 2) is None  # tile 3 alone has 3 entries

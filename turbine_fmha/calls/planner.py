@@ -108,16 +108,26 @@ class Part:
 
 
 @dataclasses.dataclass(frozen=True)
+class TilesCall:
+    """One call of a tile kernel: q's flat rows [start, stop) in, their
+    output and LSE out."""
+
+    start: int
+    stop: int
+    plan: TilesPlan
+    kernel: object
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A call's plan: everything that does not depend on q or the caches."""
 
     problem: Problem
     parts: tuple[Part, ...]
     # Compute-bound prefill through contiguous tiles (calls/tiles.py): where
-    # set, one call of tiles_kernel computes the rows of part tiles_part,
-    # which is not run (the other part of a mixed batch is).
-    tiles: TilesPlan | None = None
-    tiles_kernel: object = None
+    # set, these calls compute the rows of part tiles_part, which is not
+    # run (the other part of a mixed batch is).
+    tiles: tuple[TilesCall, ...] | None = None
     tiles_part: int = 0
 
     @property
@@ -134,18 +144,19 @@ def make_plan(p: Problem, catalog, policy: Policy = EAGER) -> Plan:
         # Continuous batching: the decodes and the prefills, each part with
         # its own kernels (the prefills' may be tiles).
         parts = tuple(_part(p, catalog, policy, active[sel]) for sel in (lens == 1, lens > 1))
-        tiles = _tiles(p, catalog, policy, parts[1], active)
-        return Plan(p, parts, *tiles, tiles_part=1) if tiles else Plan(p, parts)
+        tiles = _tiles(p, catalog, policy, parts[1], active, mixed=True)
+        return Plan(p, parts, tiles, tiles_part=1) if tiles else Plan(p, parts)
     part = _part(p, catalog, policy, active)
-    tiles = _tiles(p, catalog, policy, part, active)
-    return Plan(p, (part,), *(tiles or ()))
+    return Plan(p, (part,), _tiles(p, catalog, policy, part, active))
 
 
-def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
-    """(TilesPlan, its kernel) where the part is a compute-bound prefill
-    that a tile kernel of the catalog serves exactly: no score terms beyond
+def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray, mixed: bool = False):
+    """The tile calls (TilesCall) where the part is a compute-bound prefill
+    that tile kernels of the catalog serve exactly: no score terms beyond
     the scale, no window, pages of whole tiles' rows; else None. `active`:
-    the call's computed sequences (rows of others keep out's zeros)."""
+    the call's computed sequences (rows of others keep out's zeros). One
+    call where its partials fit the budget, else (not in a mixed batch)
+    calls of consecutive rows that each fit."""
     lay, s, t = p.layout, p.scores, p.tables
     m = s.mask
     # A mask of no window sides shows every key, as no mask does.
@@ -184,6 +195,30 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
     ]
     if not seqs or any(x.keys == 0 for x in seqs):
         return None
+    one = _tiles_call(p, catalog, seqs, mask, 0, t.total_q)
+    if one is not None and one.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES:
+        return (one,) if one.plan.waste <= tiling.MAX_WASTE else None
+    if mixed:
+        return None
+    # Each group's class filling may add entries: its budget keeps 10% free.
+    per_entry = tiling.entry_bytes(lay.nhead_q, TILE_ROWS, lay.hdim_v)
+    grouped = tiling.row_groups(seqs, mask, TILE_ROWS, int(0.9 * tiling.MAX_PARTIAL_BYTES) // per_entry)
+    if grouped is None:
+        return None
+    calls = tuple(_tiles_call(p, catalog, sub, grouped[0], a, b) for a, b, sub in grouped[1])
+    ok = all(
+        c is not None
+        and c.plan.waste <= tiling.MAX_WASTE
+        and c.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES
+        for c in calls
+    )
+    return calls if ok else None
+
+
+def _tiles_call(p: Problem, catalog, seqs: list[Sequence], mask: str, start: int, stop: int) -> TilesCall | None:
+    """The tile call of `seqs` (q_start from row `start`) over q's rows
+    [start, stop), where the catalog has its kernel."""
+    lay, s = p.layout, p.scores
     classes = classes_needed(seqs, mask, TILE_ROWS)
     kernel = None
     if classes is not None:
@@ -191,9 +226,8 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray):
     if kernel is None:
         return None
     scale = s.scale * s.q_scale * s.k_scale
-    plan = tiles_plan(seqs, t.total_q, mask, lay.page_block_size, kernel.tile, kernel.classes, lay.nhead_k, scale)
-    fits = plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES
-    return (plan, kernel) if fits and plan.waste <= tiling.MAX_WASTE else None
+    plan = tiles_plan(seqs, stop - start, mask, lay.page_block_size, kernel.tile, kernel.classes, lay.nhead_k, scale)
+    return TilesCall(start, stop, plan, kernel)
 
 
 def _part(p: Problem, catalog, policy: Policy, active: np.ndarray) -> Part:

@@ -39,8 +39,9 @@ TILE_MASKS = ("none", "top_left", "bottom_right")
 MIN_ROWS = 512
 MAX_WASTE = 0.25
 # The entries' f32 partials (accumulator, max and sum per row and head) a
-# call may hold: past it (about 500 entries at 32 heads of 128, a causal
-# prefill of some 10k rows) the paged kernels run it, in row chunks.
+# tile call may hold (about 500 entries at 32 heads of 128, a causal
+# prefill of some 10k rows): a larger call runs as several tile calls of
+# consecutive rows (row_groups).
 MAX_PARTIAL_BYTES = 1 << 30
 
 
@@ -70,9 +71,14 @@ class TilesPlan:
         return sum(self.args[4 + 2 * c].shape[0] for c in range(self.classes + 1))
 
     def partial_bytes(self, nhead_q: int, hdim: int) -> int:
-        """The f32 partials the call's entries write: the accumulator, the
-        row max and the row sum of each entry's rows and heads."""
-        return self.entries * nhead_q * self.tile * (hdim + 2) * 4
+        """The f32 partials the call's entries write."""
+        return self.entries * entry_bytes(nhead_q, self.tile, hdim)
+
+
+def entry_bytes(nhead_q: int, tile: int, hdim: int) -> int:
+    """One entry's f32 partials: the accumulator, the row max and the row
+    sum of its rows and heads."""
+    return nhead_q * tile * (hdim + 2) * 4
 
 
 def shift_of(mask: str, rows: int, keys: int) -> int | None:
@@ -99,6 +105,54 @@ def classes_needed(seqs: list[Sequence], mask: str, tile: int) -> int | None:
             top = (shift + s.rows - 1) // tile
         need = max(need, top.bit_length())
     return need
+
+
+def row_groups(seqs: list[Sequence], mask: str, tile: int, max_entries: int) -> tuple[str, list] | None:
+    """A call too large for one tile call (its partials past the budget)
+    cut into calls of consecutive q rows, each of at most about
+    `max_entries` entries before the class filling: (the groups' mask,
+    [(first q row, end q row, the group's sequences with q_start from its
+    first row)]), or None where no cut serves (a tile alone past the
+    budget). A causal sequence may be cut between its tiles: rows [r0, r1)
+    of it are the bottom-right sequence of r1 + shift keys, so top-left
+    calls become bottom-right ones; mask-free rows see every key."""
+    units = []  # per tile: (sequence, first row, end row, keys it sees, entries)
+    for i, s in enumerate(seqs):
+        shift = shift_of(mask, s.rows, s.keys)
+        if shift is None:
+            n = bin((s.keys - 1) // tile).count("1") + 1
+            units += [(i, k * tile, min(s.rows, (k + 1) * tile), s.keys, n) for k in range(-(-s.rows // tile))]
+        else:
+            for k in range(shift // tile, (shift + s.rows - 1) // tile + 1):
+                r0, r1 = max(0, k * tile - shift), min(s.rows, (k + 1) * tile - shift)
+                units.append((i, r0, r1, shift + r1, bin(k).count("1") + 1))
+    if any(u[4] > max_entries for u in units):
+        return None
+    # As few groups as fit, of about equal entries (a small last group
+    # would leave classes empty: dummy entries), each tile in the group
+    # its middle entry falls in.
+    total = sum(u[4] for u in units)
+    for n in range(-(-total // max_entries), len(units) + 1):
+        groups, before = [[] for _ in range(n)], 0
+        for u in units:
+            groups[min(n - 1, int((before + u[4] / 2) * n // total))].append(u)
+            before += u[4]
+        groups = [g for g in groups if g]
+        if all(sum(u[4] for u in g) <= max_entries for g in groups):
+            break
+    out = []
+    for g in groups:
+        pieces = {}  # per sequence: (first row, end row, keys)
+        for i, r0, r1, keys, _ in g:
+            first = pieces.get(i, (r0,))[0]
+            pieces[i] = (first, r1, keys)
+        start = min(seqs[i].q_start + r0 for i, (r0, _, _) in pieces.items())
+        end = max(seqs[i].q_start + r1 for i, (_, r1, _) in pieces.items())
+        sub = [
+            Sequence(seqs[i].q_start + r0 - start, r1 - r0, keys, seqs[i].pages) for i, (r0, r1, keys) in pieces.items()
+        ]
+        out.append((start, end, sub))
+    return ("none" if mask == "none" else "bottom_right"), out
 
 
 def _tiles(s: Sequence, mask: str, tile: int):

@@ -275,20 +275,33 @@ class Executor:
         return (out_t, from_numpy(lse, like)) if return_lse else out_t
 
     def _run_tiles(self, q, kc, vc, results, out, return_lse):
-        """(out, LSE) of the plan's one tile-prefill call (calls/tiles.py):
-        its results are q's rows, its LSE [HQ, rows]. The region it copies
-        the keys into holds zeros past each sequence's keys, so stale rows
-        need no check."""
-        lay, t, kernel = self.p.layout, self.p.tables, self.plan.tiles_kernel
-        key = ("tiles", str(results.torch_device))
-        args = self._steps.get(key)
-        if args is None:
-            args = self._steps[key] = results.upload(list(self.plan.tiles.args))
+        """(out, LSE) of the plan's tile-prefill calls (calls/tiles.py):
+        each computes q's rows [start, stop), in order, its LSE [HQ, rows].
+        The region a call copies the keys into holds zeros past each
+        sequence's keys, so stale rows need no check."""
+        lay, t = self.p.layout, self.p.tables
         qf = q.reshape((t.total_q, lay.nhead_q, lay.hdim_q))
         qf = qf.contiguous() if is_torch(qf) else np.ascontiguousarray(qf)
-        align = self.session.binding_alignment(kernel)
-        kc, vc = (self.session.kernel_cache(c, False, self._imports, align) for c in (kc, vc))
-        o, lse = results.run(kernel, [[qf, kc, vc, *args]], 2 if return_lse else 1)[0] + (None,) * (not return_lse)
+        outs, lses = [], []
+        for n, call in enumerate(self.plan.tiles):
+            key = ("tiles", n, str(results.torch_device))
+            args = self._steps.get(key)
+            if args is None:
+                args = self._steps[key] = results.upload(list(call.plan.args))
+            align = self.session.binding_alignment(call.kernel)
+            kcc, vcc = (self.session.kernel_cache(c, False, self._imports, align) for c in (kc, vc))
+            rows = qf[call.start : call.stop]
+            if (call.start * qf[0].nbytes) % align:  # a slice the kernel cannot bind
+                rows = rows.clone() if is_torch(rows) else np.array(rows)
+            got = results.run(call.kernel, [[rows, kcc, vcc, *args]], 2 if return_lse else 1)[0]
+            outs.append(got[0])
+            lses.append(got[1] if return_lse else None)
+        if len(outs) == 1:
+            o, lse = outs[0], lses[0]
+        else:  # the calls' rows follow each other: q's rows in order
+            ops = ops_for(outs[0])
+            o = ops.concat(outs, 0)
+            lse = ops.concat(lses, 1) if return_lse else None
         o = o.reshape(tuple(q.shape[:-1]) + (lay.hdim_v,))
         if return_lse and not t.group:
             lse = lse.reshape((lay.nhead_q, t.batch, t.seqlen_q)).swapaxes(0, 1)
