@@ -196,7 +196,9 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray, 
     if not seqs or any(x.keys == 0 for x in seqs):
         return None
     one = _tiles_call(p, catalog, seqs, mask, 0, t.total_q)
-    if one is not None and one.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES:
+    if one is None:
+        return None
+    if one.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES:
         return (one,) if one.plan.waste <= tiling.MAX_WASTE else None
     if mixed:
         return None
