@@ -15,7 +15,7 @@ import turbine_fmha
 from turbine_fmha.kernels.tiles_kernel import TilesKernel
 from turbine_fmha.testing.reference import fmha_fwd_paged_ref
 
-from .conftest import MASK, check, paged, queries, seqstart
+from .conftest import HK, HQ, MASK, PAGE, D, check, paged, queries, seqstart
 
 pytestmark = pytest.mark.gpu
 
@@ -62,3 +62,24 @@ def test_ragged_prefill(gpu, tiles, dtype, mask, as_torch):
 def test_gpu_sessions_run_tiles_by_default(gpu):
     gpu.skip_on_cpu("the CPU default is the paged kernels")
     assert gpu.session.prefill_tiles is True
+
+
+@pytest.mark.parametrize("mask", [MASK, {}], ids=["causal", "none"])
+def test_row_groups_past_the_partials_budget(gpu, tiles, monkeypatch, mask):
+    """A call whose partials pass calls/tiles.MAX_PARTIAL_BYTES (lowered
+    here) runs as several tile calls of consecutive rows, together equal
+    to the float64 reference."""
+    from turbine_fmha.calls import tiles as tiling
+
+    rows, keys = SMALL if gpu.dry_run else RAGGED
+    rng = np.random.default_rng(41)
+    k, v, bt, sk = paged(rng, keys)
+    q = queries(rng, sum(rows))
+    kw = dict(seqstart_q=seqstart(rows), **mask)
+    monkeypatch.setattr(tiling, "MAX_PARTIAL_BYTES", 12 * tiling.entry_bytes(HQ, 128, D))
+    shape = dict(dtype="f16", nhead_q=HQ, nhead_k=HK, hdim=D, page_block_size=PAGE, num_pages=k.shape[0])
+    plan = turbine_fmha.PagedAttention(tiles).plan(bt, sk, **shape, **kw)
+    assert plan._plan.plan.tiles is not None and len(plan._plan.plan.tiles) >= 2
+    out, lse = plan.run(q, k, v, return_lse=True)
+    ref, ref_lse = fmha_fwd_paged_ref(q, k, v, bt, sk, **kw)
+    check(out, ref, "f16", lse, ref_lse)
