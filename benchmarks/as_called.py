@@ -427,7 +427,7 @@ class DeviceLoop:
             ]
             for st in self.steps
         ]
-        self.loaded = session._load(self.variant)
+        self.loaded = [session._load(self.variant)] * len(self.calls)  # one module per call
         self.chain = session.device == "cpu"
         self.last = []
         self.q_shape, self.q_dtype = q.shape, q.dtype
@@ -457,8 +457,7 @@ class DeviceLoop:
     def __call__(self):
         prev = self.last[-1] if self.last and self.chain else None
         self.last.clear()
-        loaded = self.loaded if isinstance(self.loaded, list) else [self.loaded] * len(self.calls)
-        for lk, args in zip(loaded, self.calls):
+        for lk, args in zip(self.loaded, self.calls):
             prev = lk.enqueue(args, after=prev if self.chain else None)
             self.last.append(prev)
 
