@@ -336,3 +336,23 @@ def test_row_groups_cut_between_tiles():
     mask, groups = row_groups([Sequence(0, 300, 500, pages)], "none", 128, 3)
     assert mask == "none" and [(g[2][0].rows, g[2][0].keys) for g in groups] == [(128, 500), (128, 500), (44, 500)]
     assert row_groups(seqs, "bottom_right", 128, 2) is None  # tile 3 alone has 3 entries
+
+
+@pytest.mark.parametrize("target", ["host", "cuda"])
+def test_a_tiles_call_is_one_submission(tmp_path, target):
+    """Every check before the first dispatch: an assert after one splits the
+    call into two stream.cmd.execute, and the second one's allocations then
+    wait on the host for the first (IREE's CUDA queue_alloca)."""
+    import subprocess
+
+    from turbine_fmha.build.compiler import iree_compile_path
+    from turbine_fmha.build.targets import get_target
+    from turbine_fmha.kernels.custom_ops import render_tiles
+
+    k = TilesKernel("f16", HQ, HK, D, PG, T, 3)
+    src = tmp_path / "tiles.mlir"
+    src.write_text(render_tiles(k))
+    cmd = [iree_compile_path(), str(src), *get_target(target).flags, "--compile-to=stream"]
+    stream = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    entry = stream[stream.index(f"util.func public @{k.name}(") :]
+    assert entry.count("stream.cmd.execute") == 1
