@@ -428,6 +428,7 @@ class DeviceLoop:
             for st in self.steps
         ]
         self.loaded = [session._load(self.variant)] * len(self.calls)  # one module per call
+        self.transient_bytes = 0
         self.chain = session.device == "cpu"
         self.last = []
         self.q_shape, self.q_dtype = q.shape, q.dtype
@@ -450,6 +451,7 @@ class DeviceLoop:
             for c in plan.tiles
         ]
         self.loaded = [session._load(c.kernel) for c in plan.tiles]
+        self.transient_bytes = sum(_tiles_transient_bytes(c, q.dtype.itemsize) for c in plan.tiles)
         self.chain = session.device == "cpu"
         self.last = []
         self.q_shape, self.q_dtype = q.shape, q.dtype
@@ -487,6 +489,22 @@ class DeviceLoop:
         if plan.entries:
             return from_entries(dst[0], dst[1], plan.entries, rows)[0]
         return dst[0]
+
+
+def _tiles_transient_bytes(call, itemsize: int) -> int:
+    """What one tile call allocates while it runs: its f32 partials, the
+    K/V region and the head-major q tiles."""
+    k = call.kernel
+    slots, q_rows = call.plan.args[0], call.plan.args[2]
+    region = 2 * slots.shape[0] * k.page_block_size * k.nhead_k * k.hdim * itemsize
+    q_tiles = q_rows.size * k.nhead_q * k.hdim * itemsize
+    return call.plan.partial_bytes(k.nhead_q, k.hdim) + region + q_tiles
+
+
+# IREE's CUDA caching pool holds at most this much (the session's
+# DEFAULT_CUDA_ALLOCATORS); queued calls whose transients pass it pay a
+# plain cuMemAlloc and a synchronizing cuMemFree each.
+CUDA_POOL_BYTES = 2 << 30
 
 
 # -- timing ---------------------------------------------------------------------
@@ -589,6 +607,8 @@ def bench_row(session, case: Case, args) -> dict:
         # "Performance as called", item "The entries rule on the device, and
         # a slowdown that was the pool"). 32 calls keep them well inside it.
         per_name["device"] = max(1, min(calls, 32 // len(loop.steps)))
+        if loop.transient_bytes:  # the prefill tiles: their partials in flight
+            per_name["device"] = max(1, min(per_name["device"], CUDA_POOL_BYTES // loop.transient_bytes))
     res = timed_rounds(fns, syncs, per_name, args.rounds, args.warmup_s)
     ms = {k_: round(m, 4) for k_, (m, _) in res.items()}
     bound = BOUND[case.dtype]
