@@ -91,7 +91,7 @@ def test_kernel_matches_the_reference(tiles_session, rng, mask, spec):
     q, kc, vc, seqs = _paged(rng, spec)
     nc = classes_needed(seqs, mask, T)
     plan = tiles_plan(seqs, q.shape[0], mask, PG, T, nc, HK, 1 / np.sqrt(D))
-    # No class is empty: a GPU allocates no empty tensor.
+    # No class is empty: a dispatch over no entry faults IREE's CUDA device.
     assert all(a.shape[0] for a in plan.args[4:-3:2]), [a.shape[0] for a in plan.args[4:-3:2]]
     kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
     (out, lse) = tiles_session.run_variants(kernel, [[q, kc, vc, *plan.args]])[0]
@@ -356,3 +356,16 @@ def test_a_tiles_call_is_one_submission(tmp_path, target):
     stream = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     entry = stream[stream.index(f"util.func public @{k.name}(") :]
     assert entry.count("stream.cmd.execute") == 1
+
+
+def test_an_empty_class_is_refused_before_any_work(tiles_session, rng):
+    """A class without entries would be a dispatch over nothing, which
+    faults IREE's CUDA device: the kernel refuses it by name first."""
+    q, kc, vc, seqs = _paged(rng, [(64, 64 + 8 * T), (5, 5)])
+    nc = classes_needed(seqs, "bottom_right", T)
+    plan = tiles_plan(seqs, q.shape[0], "bottom_right", PG, T, nc, HK, 1 / np.sqrt(D))
+    args = list(plan.args)
+    args[4 + 2], args[4 + 2 + 1] = args[6][:0], args[7][:0]  # class 1's tiles and chunks
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
+    with pytest.raises(Exception, match="class 1 has no entry"):
+        tiles_session.run_variants(kernel, [[q, kc, vc, *args]])

@@ -10,7 +10,8 @@ an entry of class b. The last block is an entry of the masked class.
 Without a mask, every tile of a sequence sees its first (K - 1) // T
 blocks the same way, and the rest (1 to T keys) as its masked block.
 
-No class may be empty (IREE's CUDA driver allocates no empty buffer):
+No class may be empty (a dispatch over no entry faults IREE's CUDA
+device: docs/repro/cuda_zero_entries.py):
 the kernel has as many classes as the longest prefix has digits, and a
 class no digit fills takes pieces of a longer chunk split down to it
 (the same keys, more entries to merge), or, where no chunk can be
