@@ -369,3 +369,25 @@ def test_an_empty_class_is_refused_before_any_work(tiles_session, rng):
     kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
     with pytest.raises(Exception, match="class 1 has no entry"):
         tiles_session.run_variants(kernel, [[q, kc, vc, *args]])
+
+
+def test_a_wave_of_split_chunks_fills_the_empty_classes(tiles_session, rng):
+    """Chunked prefills whose prefixes leave classes 1 and 2 empty: one
+    split chunk fills them for a GPU wave of one entry, as many as the
+    wave holds (here 3) for a wider one, since a class of fewer entries
+    than a wave lasts as long as one entry's reduction. Both plans give
+    the reference's output."""
+    spec = [(2 * T, 8 * T + 2 * T)] * 4
+    q, kc, vc, seqs = _paged(rng, spec)
+    nc = classes_needed(seqs, "bottom_right", T)
+    kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
+    ref = _reference(q, kc, vc, seqs, "bottom_right")
+    sizes = {}
+    for wave in (1, 3):
+        plan = tiles_plan(seqs, q.shape[0], "bottom_right", PG, T, nc, HK, 1 / np.sqrt(D), wave)
+        sizes[wave] = [a.shape[0] for a in plan.args[4:-3:2]]
+        (out, lse) = tiles_session.run_variants(kernel, [[q, kc, vc, *plan.args]])[0]
+        _check(out, lse, *ref)
+    # 8 tiles: prefixes of 8 and 9 blocks (class 3, class 0), last blocks.
+    assert sizes[1] == [4, 2, 1, 7, 8]
+    assert sizes[3] == [4, 6, 3, 5, 8]

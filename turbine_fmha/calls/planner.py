@@ -228,7 +228,17 @@ def _tiles_call(p: Problem, catalog, seqs: list[Sequence], mask: str, start: int
     if kernel is None:
         return None
     scale = s.scale * s.q_scale * s.k_scale
-    plan = tiles_plan(seqs, stop - start, mask, lay.page_block_size, kernel.tile, kernel.classes, lay.nhead_k, scale)
+    plan = tiles_plan(
+        seqs,
+        stop - start,
+        mask,
+        lay.page_block_size,
+        kernel.tile,
+        kernel.classes,
+        lay.nhead_k,
+        scale,
+        tiling.wave_entries(lay.nhead_q),
+    )
     return TilesCall(start, stop, plan, kernel)
 
 

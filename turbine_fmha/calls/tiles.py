@@ -44,6 +44,10 @@ MAX_WASTE = 0.25
 # prefill of some 10k rows): a larger call runs as several tile calls of
 # consecutive rows (row_groups).
 MAX_PARTIAL_BYTES = 1 << 30
+# Attention workgroups a GPU runs at once, sized for the smallest the
+# tiles serve (an H100 has 132 SMs, an MI300X 304 compute units); an
+# entry is one workgroup per query head (wave_entries).
+WAVE_WORKGROUPS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,11 @@ class TilesPlan:
     def partial_bytes(self, nhead_q: int, hdim: int) -> int:
         """The f32 partials the call's entries write."""
         return self.entries * entry_bytes(nhead_q, self.tile, hdim)
+
+
+def wave_entries(nhead_q: int) -> int:
+    """The entries of a class that fill one wave of the GPU."""
+    return max(1, WAVE_WORKGROUPS // nhead_q)
 
 
 def entry_bytes(nhead_q: int, tile: int, hdim: int) -> int:
@@ -181,15 +190,23 @@ def _prefix_chunks(p: int, tile: int):
     return [(b, ((p >> (b + 1)) << (b + 1)) * tile, tile << b) for b in range(p.bit_length()) if p >> b & 1]
 
 
-def _fill_classes(tiles: list, classes: int, tile: int) -> list[int]:
+def _fill_classes(tiles: list, classes: int, tile: int, wave: int = 1) -> list[int]:
     """Gives every class below `classes` an entry where a chunk can be
-    split for it: an empty class c takes one chunk of the smallest longer
-    class k that has two or more (so k keeps one), split into pieces of
-    classes k - 1, ..., c and c again, each at a multiple of its length,
-    within the tile's classes + 1 entries. Returns the classes left
-    empty: each gets a dummy entry that no tile merges."""
+    split for it: the shortest empty class c takes chunks of the smallest
+    longer class k that has two or more (so k keeps one), each split into
+    pieces of classes k - 1, ..., c and c again, each at a multiple of its
+    length, within its tile's classes + 1 entries (the empty classes
+    between c and k filled with it). Returns the classes left empty: each
+    gets a dummy entry that no tile merges.
+
+    How many chunks: a class of fewer entries than a wave of the GPU
+    (`wave` entries) lasts as long as one entry's reduction, so the split
+    classes cost as much for one chunk as for a wave of them, while the
+    class they come from loses that work; the count that the model
+    max(one entry's time, entries / wave) summed over the classes rates
+    fastest, the fewest on a tie (each split adds entries to merge)."""
     dummies = []
-    for c in range(classes - 1, -1, -1):
+    for c in range(classes):
         counts = [0] * classes
         for _, _, _, ent in tiles:
             for e in ent:
@@ -197,40 +214,54 @@ def _fill_classes(tiles: list, classes: int, tile: int) -> list[int]:
                     counts[e[0]] += 1
         if counts[c]:
             continue
-        donor = next(
-            (
-                (ent, j)
-                for k in range(c + 1, classes)
-                if counts[k] >= 2
+        k = next((k for k in range(c + 1, classes) if counts[k] >= 2), None)
+        donors = (
+            []
+            if k is None
+            else [
+                (ent, next(j for j, e in enumerate(ent) if e[0] == k))
                 for _, _, _, ent in tiles
-                if len(ent) + k - c <= classes + 1
-                for j, e in enumerate(ent)
-                if e[0] == k
-            ),
-            None,
+                if len(ent) + k - c <= classes + 1 and any(e[0] == k for e in ent)
+            ]
         )
-        if donor is None:
+        if not donors:
             dummies.append(c)
             continue
-        ent, j = donor
-        k, start, _, _, _ = ent.pop(j)
-        for b in list(range(k - 1, c - 1, -1)) + [c]:
-            ent.insert(j, (b, start, tile << b, 0, 0))
-            start += tile << b
-            j += 1
+
+        def cost(m: int) -> int:
+            # Class j's time in waves times its length, over class c's.
+            split = sum(max(wave, counts[j] + m * (1 + (j == c))) << (j - c) for j in range(c, k))
+            return split + (max(wave, counts[k] - m) << (k - c))
+
+        m = min(range(1, min(len(donors), counts[k] - 1) + 1), key=lambda m: (cost(m), m))
+        for ent, j in donors[:m]:
+            _, start, _, _, _ = ent.pop(j)
+            for b in list(range(k - 1, c - 1, -1)) + [c]:
+                ent.insert(j, (b, start, tile << b, 0, 0))
+                start += tile << b
+                j += 1
     return dummies
 
 
 def tiles_plan(
-    seqs: list[Sequence], rows: int, mask: str, page: int, tile: int, classes: int, nhead_k: int, scale: float
+    seqs: list[Sequence],
+    rows: int,
+    mask: str,
+    page: int,
+    tile: int,
+    classes: int,
+    nhead_k: int,
+    scale: float,
+    wave: int = 1,
 ) -> TilesPlan:
-    """The kernel's arguments for `seqs` (their q rows among `rows`)."""
+    """The kernel's arguments for `seqs` (their q rows among `rows`);
+    `wave`: the entries one wave of the GPU runs at once (wave_entries)."""
     if mask not in TILE_MASKS:
         raise ValueError(f"the tiles serve masks {TILE_MASKS}, got {mask!r}")
     if tile % page:
         raise ValueError(f"the tile ({tile} rows) must be a multiple of the page ({page})")
     tiles = _entries(seqs, mask, tile, classes)
-    dummies = _fill_classes(tiles, classes, tile)
+    dummies = _fill_classes(tiles, classes, tile, wave)
     # Padded to whole chunks of the longest class: every class's view of
     # the region is then a reshape, not a copy (zeros past the keys).
     longest = tile << (classes - 1) if classes else tile
