@@ -193,11 +193,11 @@ def _prefix_chunks(p: int, tile: int):
 def _fill_classes(tiles: list, classes: int, tile: int, wave: int = 1) -> list[int]:
     """Gives every class below `classes` an entry where a chunk can be
     split for it: the shortest empty class c takes chunks of the smallest
-    longer class k that has two or more (so k keeps one), each split into
+    longer class k that has two or more (so k keeps one) in tiles with
+    room for the pieces (classes + 1 entries a tile), each split into
     pieces of classes k - 1, ..., c and c again, each at a multiple of its
-    length, within its tile's classes + 1 entries (the empty classes
-    between c and k filled with it). Returns the classes left empty: each
-    gets a dummy entry that no tile merges.
+    length (the empty classes between c and k filled with it). Returns
+    the classes left empty: each gets a dummy entry that no tile merges.
 
     How many chunks: a class of fewer entries than a wave of the GPU
     (`wave` entries) lasts as long as one entry's reduction, so the split
@@ -214,16 +214,15 @@ def _fill_classes(tiles: list, classes: int, tile: int, wave: int = 1) -> list[i
                     counts[e[0]] += 1
         if counts[c]:
             continue
-        k = next((k for k in range(c + 1, classes) if counts[k] >= 2), None)
-        donors = (
-            []
-            if k is None
-            else [
+        k, donors = None, []
+        for k in (k for k in range(c + 1, classes) if counts[k] >= 2):
+            donors = [
                 (ent, next(j for j, e in enumerate(ent) if e[0] == k))
                 for _, _, _, ent in tiles
                 if len(ent) + k - c <= classes + 1 and any(e[0] == k for e in ent)
             ]
-        )
+            if donors:
+                break
         if not donors:
             dummies.append(c)
             continue
