@@ -501,10 +501,16 @@ def _tiles_transient_bytes(call, itemsize: int) -> int:
     return call.plan.partial_bytes(k.nhead_q, k.hdim) + region + q_tiles
 
 
-# IREE's CUDA caching pool holds at most this much (the session's
-# DEFAULT_CUDA_ALLOCATORS); queued calls whose transients pass it pay a
-# plain cuMemAlloc and a synchronizing cuMemFree each.
-CUDA_POOL_BYTES = 2 << 30
+def _cuda_pool_bytes() -> int:
+    """What IREE's CUDA caching pool holds at most (the session's
+    DEFAULT_CUDA_ALLOCATORS: caching:device_local=<largest>;<capacity>;<count>);
+    queued calls whose transients pass it pay a plain cuMemAlloc and a
+    synchronizing cuMemFree each."""
+    from turbine_fmha.runtime.session import DEFAULT_CUDA_ALLOCATORS
+
+    capacity = DEFAULT_CUDA_ALLOCATORS.split("=", 1)[1].split(";")[1].lower()
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    return int(capacity[:-3]) * units[capacity[-3:]] if capacity[-3:] in units else int(capacity)
 
 
 # -- timing ---------------------------------------------------------------------
@@ -608,7 +614,7 @@ def bench_row(session, case: Case, args) -> dict:
         # a slowdown that was the pool"). 32 calls keep them well inside it.
         per_name["device"] = max(1, min(calls, 32 // len(loop.steps)))
         if loop.transient_bytes:  # the prefill tiles: their partials in flight
-            per_name["device"] = max(1, min(per_name["device"], CUDA_POOL_BYTES // loop.transient_bytes))
+            per_name["device"] = max(1, min(per_name["device"], _cuda_pool_bytes() // loop.transient_bytes))
     res = timed_rounds(fns, syncs, per_name, args.rounds, args.warmup_s)
     ms = {k_: round(m, 4) for k_, (m, _) in res.items()}
     bound = BOUND[case.dtype]

@@ -365,7 +365,7 @@ def test_an_empty_class_is_refused_before_any_work(tiles_session, rng):
     nc = classes_needed(seqs, "bottom_right", T)
     plan = tiles_plan(seqs, q.shape[0], "bottom_right", PG, T, nc, HK, 1 / np.sqrt(D))
     args = list(plan.args)
-    args[4 + 2], args[4 + 2 + 1] = args[6][:0], args[7][:0]  # class 1's tiles and chunks
+    args[6], args[7] = args[6][:0], args[7][:0]  # class 1's tiles and chunks (after 4 arguments and class 0's)
     kernel = TilesKernel("f16", HQ, HK, D, PG, T, nc)
     with pytest.raises(Exception, match="class 1 has no entry"):
         tiles_session.run_variants(kernel, [[q, kc, vc, *args]])
