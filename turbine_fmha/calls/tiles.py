@@ -44,9 +44,9 @@ MAX_WASTE = 0.25
 # prefill of some 10k rows): a larger call runs as several tile calls of
 # consecutive rows (row_groups).
 MAX_PARTIAL_BYTES = 1 << 30
-# Attention workgroups a GPU runs at once, sized for the smallest the
-# tiles serve (an H100 has 132 SMs, an MI300X 304 compute units); an
-# entry is one workgroup per query head (wave_entries).
+# Attention workgroups a GPU runs at once, sized for the smallest GPU the
+# tiles serve (one workgroup per SM or compute unit); an entry is one
+# workgroup per query head (wave_entries).
 WAVE_WORKGROUPS = 128
 
 
