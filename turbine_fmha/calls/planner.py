@@ -195,10 +195,14 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray, 
     ]
     if not seqs or any(x.keys == 0 for x in seqs):
         return None
+
+    def fits(c: TilesCall | None) -> bool:
+        return c is not None and c.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES
+
     one = _tiles_call(p, catalog, seqs, mask, 0, t.total_q)
     if one is None:
         return None
-    if one.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES:
+    if fits(one):
         return (one,) if one.plan.waste <= tiling.MAX_WASTE else None
     if mixed:
         return None
@@ -208,13 +212,7 @@ def _tiles(p: Problem, catalog, policy: Policy, part: Part, active: np.ndarray, 
     if grouped is None:
         return None
     calls = tuple(_tiles_call(p, catalog, sub, grouped[0], a, b) for a, b, sub in grouped[1])
-    ok = all(
-        c is not None
-        and c.plan.waste <= tiling.MAX_WASTE
-        and c.plan.partial_bytes(lay.nhead_q, lay.hdim_v) <= tiling.MAX_PARTIAL_BYTES
-        for c in calls
-    )
-    return calls if ok else None
+    return calls if all(fits(c) and c.plan.waste <= tiling.MAX_WASTE for c in calls) else None
 
 
 def _tiles_call(p: Problem, catalog, seqs: list[Sequence], mask: str, start: int, stop: int) -> TilesCall | None:
