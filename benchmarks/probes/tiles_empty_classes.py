@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""benchmarks/as_called.py with the prefill tiles' class filling off
-(--no-fill): a class no chunk fills stays empty (zero entries: a
-zero-size argument and an attention dispatch over no entry) instead of
-taking pieces split off a longer chunk or a dummy entry. Every other
-argument goes to as_called.py, which checks each output against its
-reference. On IREE 3.13's CUDA driver the dispatch over no entry faults
-the device (docs/repro/cuda_zero_entries.py).
+"""benchmarks/as_called.py with the prefill tiles' class filling planned
+for a GPU wave of `--wave N` entries instead of the planner's
+wave_entries (`--wave 1`: the filling before it knew waves, one chunk
+split per run of empty classes). Every other argument goes to
+as_called.py, which checks each output against its reference. (Leaving
+a class empty is no option: the kernel refuses it, since a dispatch over
+no entry faults IREE 3.13's CUDA device, docs/repro/cuda_zero_entries.py.)
 
-    python3 benchmarks/probes/tiles_empty_classes.py [--no-fill] AS_CALLED_ARGS..."""
+    python3 benchmarks/probes/tiles_empty_classes.py [--wave N] AS_CALLED_ARGS..."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ if __name__ == "__main__":
 
     from turbine_fmha.calls import tiles
 
-    if "--no-fill" in sys.argv:
-        sys.argv.remove("--no-fill")
-        tiles._fill_classes = lambda entries, classes, tile: []
+    if "--wave" in sys.argv:
+        i = sys.argv.index("--wave")
+        wave = int(sys.argv[i + 1])
+        del sys.argv[i : i + 2]
+        tiles.wave_entries = lambda nhead_q: wave
     sys.exit(as_called.main())

@@ -18,8 +18,10 @@
 #                with a caching pool of 1 GiB allocations: depth_*.json
 #   ncu          per SHAPES entry, a 7-call timeline and each dispatch's
 #                time from ncu: timeline7_<shape>.log, tiles_ncu_<shape>.log
-#   empty        the class filling on and off (probes/tiles_empty_classes.py,
-#                ROUNDS rounds): empty_<fill|nofill>_<round>.json
+#   fill         the class filling planned for the GPU's wave and for one
+#                entry a wave (probes/tiles_empty_classes.py --wave 1),
+#                ROUNDS rounds: fill_<wave|one>_<round>.json, then a
+#                7-call timeline of each: timeline7_fill_<wave|one>.log
 # e.g. TIMELINE="prefill:1x4096" bash benchmarks/probes/tiles_steps.sh tests compare timelines
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -82,15 +84,21 @@ for step in "$@"; do
                 python3 benchmarks/probes/tiles_ncu.py "$art" "$s" >"$out/tiles_ncu_$(name "$s").log" 2>&1
             grep -E "_dispatch_|gpu__time_duration" "$out/tiles_ncu_$(name "$s").log" | sed -E 's/ +\(.*//; s/ +/ /g' | paste - -
         done ;;
-    empty)
+    fill)
         mapfile -t sh < <(shapes ${SHAPES:-chunked:4x512+8192 chunked:1x512+8192})
         for round in $(seq "${ROUNDS:-2}"); do
-            for side in fill nofill; do
+            for side in wave one; do
                 echo "-- $side, round $round"
-                python3 benchmarks/probes/tiles_empty_classes.py $([ $side = nofill ] && echo --no-fill) --device cuda \
-                    --artifacts "$art" --prefill-tiles on "${sh[@]}" --rounds 5 --json "$out/empty_${side}_$round.json" 2>&1 |
+                python3 benchmarks/probes/tiles_empty_classes.py $([ $side = one ] && echo --wave 1) --device cuda \
+                    --artifacts "$art" --prefill-tiles on "${sh[@]}" --rounds 5 --json "$out/fill_${side}_$round.json" 2>&1 |
                     grep -E "^\| (prefill|chunked)|FAILED" | head -20
             done
+        done
+        for side in wave one; do
+            log=$out/timeline7_fill_$side.log
+            python3 benchmarks/probes/tiles_timeline.py "$art" chunked:4x512+8192 --calls 7 \
+                $([ $side = one ] && echo --wave 1) >"$log" 2>&1
+            grep -E "^kernels" "$log"
         done ;;
     *) echo "unknown step $step" >&2 && exit 2 ;;
     esac

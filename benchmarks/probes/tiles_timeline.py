@@ -4,7 +4,7 @@ kernels do not: the CUDA driver calls and kernels of a few calls, queued
 back to back as as_called.py's device loop queues them, from torch's
 profiler (CUPTI sees IREE's work in the same process).
 
-    python3 benchmarks/probes/tiles_timeline.py ARTIFACTS SHAPE [--calls 3] [--trace OUT.json]
+    python3 benchmarks/probes/tiles_timeline.py ARTIFACTS SHAPE [--calls 3] [--trace OUT.json] [--wave N]
 
 prints, per call, each kernel and driver call with its start (us from
 the first event) and duration, and sums them by kind. SHAPE is
@@ -38,7 +38,12 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--flags", default="", help="IREE runtime flags, e.g. --cuda_use_streams=true")
+    ap.add_argument("--wave", type=int, default=None, help="plan the class filling for this wave, not the GPU's")
     args = ap.parse_args()
+    if args.wave is not None:
+        from turbine_fmha.calls import tiles
+
+        tiles.wave_entries = lambda nhead_q: args.wave
     if args.flags:
         import iree.runtime as rt
 
