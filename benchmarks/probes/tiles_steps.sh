@@ -17,7 +17,8 @@
 #   depth        the device column at 2, 8 and 32 calls in flight, and 32
 #                with a caching pool of 1 GiB allocations: depth_*.json
 #   ncu          per SHAPES entry, a 7-call timeline and each dispatch's
-#                time from ncu: timeline7_<shape>.log, tiles_ncu_<shape>.log
+#                time (or the comma-separated METRICS) from ncu:
+#                timeline7_<shape>.log, tiles_ncu_<shape>.log
 #   fill         the class filling planned for the GPU's wave and for one
 #                entry a wave (probes/tiles_empty_classes.py --wave 1),
 #                ROUNDS rounds: fill_<wave|one>_<round>.json, then a
@@ -77,12 +78,14 @@ for step in "$@"; do
         TURBINE_FMHA_CUDA_ALLOCATORS="caching:device_local=1gib;4gib;256" \
             as_called "$art" depth_32_pool1g.json "${sh[@]}" --calls 32 ;;
     ncu)
+        metrics=${METRICS:-gpu__time_duration.sum}
         for s in ${SHAPES:-prefill:4x1024}; do
             python3 benchmarks/probes/tiles_timeline.py "$art" "$s" --calls 7 >"$out/timeline7_$(name "$s").log" 2>&1
             grep -E "^kernels" "$out/timeline7_$(name "$s").log"
-            /usr/local/cuda/bin/ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \
+            /usr/local/cuda/bin/ncu --profile-from-start off --clock-control none --metrics "$metrics" \
                 python3 benchmarks/probes/tiles_ncu.py "$art" "$s" >"$out/tiles_ncu_$(name "$s").log" 2>&1
-            grep -E "_dispatch_|gpu__time_duration" "$out/tiles_ncu_$(name "$s").log" | sed -E 's/ +\(.*//; s/ +/ /g' | paste - -
+            grep -E "_dispatch_|${metrics//,/|}" "$out/tiles_ncu_$(name "$s").log" | sed -E 's/ +\(.*//; s/ +/ /g' |
+                paste $(printf -- '- %.0s' $(seq $(($(tr -cd , <<<"$metrics" | wc -c) + 2))))
         done ;;
     fill)
         mapfile -t sh < <(shapes ${SHAPES:-chunked:4x512+8192 chunked:1x512+8192})
