@@ -44,10 +44,13 @@ MAX_WASTE = 0.25
 # prefill of some 10k rows): a larger call runs as several tile calls of
 # consecutive rows (row_groups).
 MAX_PARTIAL_BYTES = 1 << 30
-# Attention workgroups a GPU runs at once, sized for the smallest GPU the
-# tiles serve (one workgroup per SM or compute unit); an entry is one
-# workgroup per query head (wave_entries).
-WAVE_WORKGROUPS = 128
+# (entry, query head) pairs one wave of the GPU runs at once: a pair is
+# two attention workgroups (the 64-row halves of its tile) and an SM holds
+# two or three of them, so this is about the smallest wave among the GPUs
+# the tiles serve (the launch geometry measured: docs/benchmarks.md,
+# "Prefill through contiguous tiles"); an entry is nhead_q pairs
+# (wave_entries).
+WAVE_HEAD_TILES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,7 @@ class TilesPlan:
 
 def wave_entries(nhead_q: int) -> int:
     """The entries of a class that fill one wave of the GPU."""
-    return max(1, WAVE_WORKGROUPS // nhead_q)
+    return max(1, WAVE_HEAD_TILES // nhead_q)
 
 
 def entry_bytes(nhead_q: int, tile: int, hdim: int) -> int:
