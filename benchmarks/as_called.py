@@ -502,13 +502,14 @@ def _tiles_transient_bytes(call, itemsize: int) -> int:
 
 
 def _cuda_pool_bytes() -> int:
-    """What IREE's CUDA caching pool holds at most (the session's
-    DEFAULT_CUDA_ALLOCATORS: caching:device_local=<largest>;<capacity>;<count>);
-    queued calls whose transients pass it pay a plain cuMemAlloc and a
-    synchronizing cuMemFree each."""
-    from turbine_fmha.runtime.session import DEFAULT_CUDA_ALLOCATORS
+    """What IREE's CUDA caching pool holds at most (the session's caching
+    allocator spec, caching:device_local=<largest>;<capacity>;<count>, the
+    environment's override included); queued calls whose transients pass
+    it pay a plain cuMemAlloc and a synchronizing cuMemFree each."""
+    from turbine_fmha.runtime.session import cuda_allocator_specs
 
-    capacity = DEFAULT_CUDA_ALLOCATORS.split("=", 1)[1].split(";")[1].lower()
+    caching = next(s for s in cuda_allocator_specs() if s.startswith("caching:"))
+    capacity = caching.split("=", 1)[1].split(";")[1].lower()
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
     return int(capacity[:-3]) * units[capacity[-3:]] if capacity[-3:] in units else int(capacity)
 

@@ -14,6 +14,7 @@ import pytest
 
 import turbine_fmha
 import turbine_fmha.runtime.session as session_mod
+from turbine_fmha.core import env
 from turbine_fmha.core.arrays import check_tensor_devices
 from turbine_fmha.core.devices import device_name, parse_device
 
@@ -61,7 +62,7 @@ class _FakeGpuDriver:
     devices it opens are CPU devices (this machine has no GPU)."""
 
     def __init__(self, count):
-        self.count, self.opened, self.queries = count, [], 0
+        self.count, self.opened, self.queries, self.allocators = count, [], 0, []
 
     def query_available_devices(self):
         self.queries += 1
@@ -71,6 +72,7 @@ class _FakeGpuDriver:
         import iree.runtime as rt
 
         self.opened.append(uri)
+        self.allocators.append(allocators)
         return rt.get_driver("local-task").create_default_device()
 
 
@@ -94,6 +96,18 @@ def test_each_gpu_is_its_own_device(two_gpus):
     assert repr(s1).startswith("Session('cuda:1', target='cuda'")
     assert s0.device_of() is not s1.device_of() and again.device_of() is s0.device_of()
     assert two_gpus.opened == ["cuda", "cuda://1"]  # GPU 0: the driver's default device
+
+
+def test_a_gpu_opens_with_the_allocators_the_environment_names(two_gpus, monkeypatch):
+    """The CUDA device's allocator specs: the default caching pool, or the
+    environment's override (what benchmarks read the pool's capacity from,
+    session.cuda_allocator_specs)."""
+    turbine_fmha.Session("cuda:0").device_of()
+    override = "caching:device_local=1gib;4gib;256"
+    monkeypatch.setenv(env.CUDA_ALLOCATORS, override)
+    assert session_mod.cuda_allocator_specs() == [override]
+    turbine_fmha.Session("cuda:1").device_of()
+    assert two_gpus.allocators == [[session_mod.DEFAULT_CUDA_ALLOCATORS], [override]]
 
 
 def test_an_ordinal_the_machine_lacks_is_refused_by_name(two_gpus):

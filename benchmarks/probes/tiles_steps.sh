@@ -14,8 +14,10 @@
 #                ab_<A|B>_<round>.json
 #   timeline-ab  7 queued causal 4096-row calls from $A and from $B:
 #                timeline7_<folder>.log
-#   depth        the device column at 2, 8 and 32 calls in flight, and 32
-#                with a caching pool of 1 GiB allocations: depth_*.json
+#   depth        the device column at 2, 8 and 32 calls asked in flight, and
+#                32 with a caching pool of 1 GiB allocations and 4 GiB:
+#                depth_*.json (as_called.py queues at most what the pool
+#                holds, so the tile rows stop at its capacity)
 #   ncu          per SHAPES entry, a 7-call timeline and each dispatch's
 #                time (or the comma-separated METRICS) from ncu:
 #                timeline7_<shape>.log, tiles_ncu_<shape>.log

@@ -556,6 +556,12 @@ def _check_device(driver: str, ordinal: int, name: str, fresh: bool = False) -> 
         )
 
 
+def cuda_allocator_specs() -> list[str]:
+    """The allocator specs a CUDA device opens with: the environment's
+    override (env.CUDA_ALLOCATORS, comma-separated) or the default."""
+    return [s for s in os.environ.get(env.CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATORS).split(",") if s]
+
+
 def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
     with _SHARED_LOCK:
         config = _CONFIGS.get((driver, ordinal))
@@ -564,8 +570,7 @@ def _shared_config(driver: str, ordinal: int = 0, name: str = "cpu"):
 
             if driver == "local-task":
                 _set_cpu_topology_once()
-            specs = os.environ.get(env.CUDA_ALLOCATORS, DEFAULT_CUDA_ALLOCATORS) if driver == "cuda" else ""
-            specs = [s for s in specs.split(",") if s]
+            specs = cuda_allocator_specs() if driver == "cuda" else []
             try:
                 hal_driver = _hal_driver(driver)
             except (RuntimeError, ValueError) as e:
